@@ -1,0 +1,173 @@
+"""Destination-passing attention calls on DLPack buffers: the whole public core.
+
+Glossary: B batch, Nq/Nk sequence lengths, Tq/Tk packed tokens (varlen), Hq/Hkv heads
+(Hq % Hkv == 0), D q/k head dim, Dv v head dim. Layouts follow FlashAttention:
+dense ``[B, N, H, D]``, varlen ``[T, H, D]`` with int32 ``cu_seqlens`` ``[B + 1]``;
+lse is fp32 ``[B, Hq, Nq]`` (dense) or ``[Hq, Tq]`` (varlen), natural log.
+Causal masks are bottom-right aligned when Nq != Nk (query i sees keys
+j <= i + Nk - Nq), as in FlashAttention; torch SDPA and ``jax.nn`` are top-left.
+
+Every call validates all buffers first (see :mod:`xattn.core.checks`), compiles the
+launcher for its :class:`KernelSpec` on first use, then enqueues the kernels:
+
+* ``stream=None``: on the producer's current stream (torch: ``torch.cuda.current_stream()``;
+  other producers: the TVM-FFI environment stream, by default the legacy default stream);
+* ``stream=<int cudaStream_t>``: on that stream.
+
+Nothing is allocated here: outputs and workspace come from the caller. cu_seqlens
+values are not read on the host (that would synchronise): the caller guarantees
+``0 = cu[0] <= cu[1] <= ... <= cu[B] <= T`` and segment lengths <= max_seqlen.
+"""
+
+from __future__ import annotations
+
+import tvm_ffi
+
+from .cache import get_launcher
+from .checks import _check_scale, check_attention, check_workspace
+
+__all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
+
+
+def bwd_workspace(family: str, q_shape, *, num_seqs: int | None = None, head_dim_v: int | None = None,
+                  max_seqlen_q: int | None = None) -> list[tuple[str, tuple, str]]:
+    """Scratch buffers of a backward call: ``[(name, shape, dtype), ...]`` in the order ``workspace=`` takes.
+
+    ``q_shape`` is ``[B, Nq, Hq, D]`` (dense) or ``[Tq, Hq, D]`` (varlen, then give
+    ``num_seqs`` = B and ``max_seqlen_q``). ``head_dim_v`` defaults to D. None of the
+    buffers needs initialising; their content after the call is unspecified.
+    """
+    q_shape = tuple(int(s) for s in q_shape)
+    varlen = len(q_shape) == 3
+    if varlen and num_seqs is None:
+        raise ValueError("num_seqs: required for a varlen q_shape [Tq, Hq, D]")
+    if len(q_shape) not in (3, 4):
+        raise ValueError(f"q_shape: expected [B, Nq, Hq, D] or [Tq, Hq, D], got {q_shape}")
+    if varlen:
+        batch, seqlen_q, total_q = num_seqs, max_seqlen_q or 0, q_shape[0]
+    else:
+        batch, seqlen_q, total_q = q_shape[0], q_shape[1], q_shape[0] * q_shape[1]
+    heads_q, head_dim = q_shape[-2], q_shape[-1]
+    if family == "ffpa":
+        from .ffpa_sm90 import bwd_workspace_shapes
+        return bwd_workspace_shapes(varlen, batch, seqlen_q, total_q, heads_q)
+    if family == "fa4":
+        if varlen and max_seqlen_q is None:
+            raise ValueError("max_seqlen_q: required for a varlen FA4 workspace")
+        from .fa4_sm90 import bwd_workspace_shapes
+        return bwd_workspace_shapes(varlen, batch, seqlen_q, total_q, heads_q, head_dim,
+                                    head_dim_v or head_dim)
+    raise ValueError(f"family: expected 'ffpa' or 'fa4', got {family!r}")
+
+
+def _enqueue(launcher, problem, ordered, scalars, stream) -> None:
+    if problem.total_q == 0 or problem.total_k == 0:
+        return  # nothing to compute: outputs keep their documented initial values
+    if stream is None:
+        launcher.function(*ordered, *scalars)
+        return
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise TypeError(f"stream: expected None or an int cudaStream_t, got {type(stream).__name__}")
+    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", problem.device_index), stream):
+        launcher.function(*ordered, *scalars)
+
+
+def _args(names, raw, ts, stream):
+    # stream=None: pass the producer's own objects so TVM-FFI picks up its current stream.
+    src = raw if stream is None else ts
+    return [src[n] for n in names]
+
+
+def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
+         max_seqlen_q, max_seqlen_k, window, stream):
+    raw = dict(q=q, k=k, v=v, out=out, lse=lse)
+    spec, problem, ts = check_attention(
+        family, "fwd", raw, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
+    scale = _check_scale(softmax_scale)
+    names = ["q", "k", "v", "out", "lse"]
+    if spec.varlen:
+        raw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        names[3:3] = ["cu_seqlens_q", "cu_seqlens_k"]
+    launcher = get_launcher(spec)
+    _enqueue(launcher, problem, _args(names, raw, ts, stream), (scale,), stream)
+
+
+def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, workspace, stream):
+    raw = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    spec, problem, ts = check_attention(
+        family, "bwd", raw, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    scale = _check_scale(softmax_scale)
+    q_shape = tuple(ts["q"].shape)
+    layout = bwd_workspace(family, q_shape, num_seqs=problem.batch if spec.varlen else None,
+                           head_dim_v=spec.head_dim_v, max_seqlen_q=problem.seqlen_q)
+    ws = check_workspace(workspace, layout, problem.device_index)
+    names = ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"]
+    if spec.varlen:
+        raw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        names[6:6] = ["cu_seqlens_q", "cu_seqlens_k"]
+    src_ws = list(workspace) if stream is None else ws
+    launcher = get_launcher(spec)
+    _enqueue(launcher, problem, _args(names, raw, ts, stream) + src_ws, (scale,), stream)
+
+
+def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False, cu_seqlens_q=None,
+             cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+             stream: int | None = None) -> None:
+    """FFPA forward (head_dim 320-512, D == Dv), written into ``out`` and ``lse``.
+
+    Reads q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]`` (or varlen ``[T, H, D]`` with
+    ``cu_seqlens_q/k`` int32 ``[B + 1]`` and ``max_seqlen_q/k``), fp16/bf16.
+    Writes out (q's dtype, q's layout) and lse (fp32, ``[B, Hq, Nq]`` / ``[Hq, Tq]``).
+
+    Pre-initialisation, by the caller: for ``causal=True`` or varlen, ``out`` must hold
+    zeros and ``lse`` -inf (the kernel skips fully masked tiles and empty segments).
+    Dense non-causal calls overwrite every element.
+    """
+    _fwd("ffpa", q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
+         max_seqlen_q, max_seqlen_k, (None, None), stream)
+
+
+def ffpa_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+             max_seqlen_k: int | None = None, workspace=None, stream: int | None = None) -> None:
+    """FFPA backward: writes dq ``[.., Hq, D]``, dk/dv ``[.., Hkv, D]`` (reduced over each GQA group).
+
+    Uses exactly the ``out`` and ``lse`` given (e.g. the globally merged ones of ring
+    attention); they are never recomputed. ``workspace`` is the list of buffers that
+    :func:`bwd_workspace` ("ffpa", q.shape, ...) describes (no init needed).
+
+    Pre-initialisation, by the caller: ``dq``, ``dk`` and ``dv`` must hold zeros.
+    """
+    _bwd("ffpa", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, workspace, stream)
+
+
+def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
+            window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+            stream: int | None = None) -> None:
+    """FlashAttention-4 forward (sm90, head_dim <= 256, e.g. 128/128 or 192/128).
+
+    Same layouts as :func:`ffpa_fwd`; v/out may have a different head dim Dv.
+    ``window_size=(left, right)`` selects sliding-window (local) attention, bottom-right
+    aligned like causal; ``None`` means unbounded on that side.
+    No pre-initialisation needed: every element of out and lse is written.
+    """
+    _fwd("fa4", q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
+         max_seqlen_q, max_seqlen_k, tuple(window_size), stream)
+
+
+def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None, workspace=None, stream: int | None = None) -> None:
+    """FlashAttention-4 backward: writes dq, dk, dv (dk/dv reduced over each GQA group).
+
+    Uses exactly the ``out`` and ``lse`` given. ``workspace`` is the list of buffers that
+    :func:`bwd_workspace` ("fa4", q.shape, ...) describes (no init needed: the launcher
+    clears its accumulators itself). dq, dk, dv need no pre-initialisation.
+    """
+    _bwd("fa4", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, workspace, stream)

@@ -1,0 +1,193 @@
+"""Validation of every core call, before any launch: a bad input must never reach a kernel.
+
+Buffers arrive as any DLPack producer (torch, CuPy, JAX arrays for read-only inputs) and
+are viewed as ``tvm_ffi.Tensor``. Each failure raises ``TypeError`` (dtype / not a
+tensor), ``ValueError`` (shape, stride, device, scalars) or ``NotImplementedError``
+(an unsupported head dim or option), naming the argument, what it got and what was
+expected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm_ffi
+
+from .device import no_gpu_reason
+from .spec import DTYPES, KernelSpec, supports
+
+__all__ = ["Problem", "as_tensor", "check_attention", "check_workspace"]
+
+_KDLCUDA = 2
+_HALF_DIV = 8  # elements per 16 bytes for fp16/bf16
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Concrete sizes of a validated call (varlen: ``seqlen_*`` are the max_seqlen values)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    total_q: int
+    total_k: int
+    heads_q: int
+    heads_kv: int
+    device_index: int
+
+
+def _is_jax_array(x) -> bool:
+    return type(x).__module__.split(".", 1)[0] in ("jax", "jaxlib")
+
+
+def as_tensor(x, name: str, writable: bool = False) -> tvm_ffi.Tensor:
+    """View ``x`` as a ``tvm_ffi.Tensor`` (no copy); refuse JAX arrays as outputs."""
+    if writable and _is_jax_array(x):
+        raise TypeError(f"{name}: JAX arrays are immutable and cannot be written by a kernel; "
+                        "call xattn.jax, which reaches the kernels through XLA FFI")
+    if isinstance(x, tvm_ffi.Tensor):
+        return x
+    try:
+        return tvm_ffi.from_dlpack(x)
+    except Exception as exc:
+        raise TypeError(f"{name}: expected a DLPack tensor (torch.Tensor, cupy.ndarray, ...), "
+                        f"got {type(x).__name__} ({exc})") from None
+
+
+def _check_device(t, name: str, index: int | None) -> int:
+    dev = t.device
+    if dev.dlpack_device_type() != _KDLCUDA:
+        hint = no_gpu_reason()
+        where = f"; this machine has no usable GPU: {hint}" if hint else ""
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {dev}{where}")
+    if index is not None and dev.index != index:
+        raise ValueError(f"{name}: on cuda:{dev.index}, but q is on cuda:{index}; all buffers must share one GPU")
+    return dev.index
+
+
+def _check(t, name: str, shape: tuple, labels: str, dtype: str, div: int, align: int) -> None:
+    """dtype, exact shape, unit innermost stride, other strides % div, pointer % align bytes."""
+    if str(t.dtype) != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape} {labels}, got {tuple(t.shape)}")
+    strides = t.strides
+    if t.numel() > 0 and (strides[-1] != 1 and shape[-1] != 1 or any(s % div for s in strides[:-1])):
+        raise ValueError(f"{name}: needs unit stride in the last dim and other strides multiple of "
+                         f"{div} elements, got strides {tuple(strides)} (call .contiguous())")
+    if t.numel() > 0 and t.data_ptr() % align:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned, got {t.data_ptr():#x}")
+
+
+def _check_scale(softmax_scale) -> float:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale: expected a Python float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_max_seqlen(value, name: str, cu_name: str) -> int:
+    if value is None:
+        raise ValueError(f"{name}: required with {cu_name} (the longest sequence in the batch)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    return value
+
+
+def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
+                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    window=(None, None)) -> tuple[KernelSpec, Problem, dict]:
+    """Validate one call; return its compile key, sizes and the buffers as tvm_ffi tensors.
+
+    ``buffers`` maps argument names (q, k, v, out, lse, and dout, dq, dk, dv for backward)
+    to DLPack tensors. Inputs are read-only; out/lse (forward) and dq/dk/dv are written.
+    """
+    outputs = ("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")
+    ts = {n: as_tensor(x, n, writable=n in outputs) for n, x in buffers.items()}
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k: give both (varlen) or neither (dense)")
+    q, k, v = ts["q"], ts["k"], ts["v"]
+    rank = 3 if varlen else 4
+    for n in ("q", "k", "v"):
+        if ts[n].ndim != rank:
+            what = "[T, H, D] (varlen)" if varlen else "[B, N, H, D] (dense)"
+            raise ValueError(f"{n}: expected rank {rank} {what}, got shape {tuple(ts[n].shape)}")
+    dtype = str(q.dtype)
+    if dtype not in DTYPES:
+        raise TypeError(f"q: expected dtype float16 or bfloat16, got {dtype}")
+    *lead_q, hq, d = q.shape
+    *lead_k, hkv, _ = k.shape
+    dv = v.shape[-1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"k: Hkv={hkv} must divide Hq={hq} (grouped-query attention)")
+
+    if varlen:
+        (tq,), (tk,) = lead_q, lead_k
+        ts["cu_seqlens_q"] = as_tensor(cu_seqlens_q, "cu_seqlens_q")
+        ts["cu_seqlens_k"] = as_tensor(cu_seqlens_k, "cu_seqlens_k")
+        cu = ts["cu_seqlens_q"]
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q: expected shape [B + 1] with B >= 1, got {tuple(cu.shape)}")
+        batch = cu.shape[0] - 1
+        for n in ("cu_seqlens_q", "cu_seqlens_k"):
+            _check(ts[n], n, (batch + 1,), "[B + 1]", "int32", 1, 4)
+        nq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", "cu_seqlens_q")
+        nk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", "cu_seqlens_k")
+        rows_q, rows_k = (tq,), (tk,)
+        lse_shape, lse_labels = (hq, tq), "[Hq, Tq]"
+    else:
+        (batch, nq), (bk, nk) = lead_q, lead_k
+        if bk != batch:
+            raise ValueError(f"k: expected batch {batch} (as q), got shape {tuple(k.shape)}")
+        if nk == 0 and nq > 0:
+            raise ValueError("k: sequence length 0 with a non-empty q; attention over no keys is undefined")
+        tq, tk = batch * nq, batch * nk
+        rows_q, rows_k = (batch, nq), (batch, nk)
+        lse_shape, lse_labels = (batch, hq, nq), "[B, Hq, Nq]"
+    lab = "[T, " if varlen else "[B, N, "
+    expect = {
+        "q": ((*rows_q, hq, d), lab + "Hq, D]"),
+        "k": ((*rows_k, hkv, d), lab + "Hkv, D]"),
+        "v": ((*rows_k, hkv, dv), lab + "Hkv, Dv]"),
+        "out": ((*rows_q, hq, dv), lab + "Hq, Dv]"),
+        "dout": ((*rows_q, hq, dv), lab + "Hq, Dv]"),
+        "dq": ((*rows_q, hq, d), lab + "Hq, D]"),
+        "dk": ((*rows_k, hkv, d), lab + "Hkv, D]"),
+        "dv": ((*rows_k, hkv, dv), lab + "Hkv, Dv]"),
+    }
+    for n, t in ts.items():
+        if n in expect:
+            _check(t, n, *expect[n], dtype, _HALF_DIV, 16)
+    _check(ts["lse"], "lse", lse_shape, lse_labels, "float32", 1, 4)
+    spec = KernelSpec(family, direction, dtype, d, dv, hq // hkv, causal, varlen,
+                      window_left=window[0], window_right=window[1])
+    reason = supports(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    index = _check_device(q, "q", None)
+    for n, t in ts.items():
+        _check_device(t, n, index)
+    return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, index), ts
+
+
+def check_workspace(workspace, layout: list, index: int) -> list:
+    """Check caller-supplied scratch buffers against ``layout`` ``[(name, shape, dtype)]``."""
+    if workspace is None:
+        raise ValueError("workspace: required; allocate the buffers listed by "
+                         "xattn.core.bwd_workspace(...) (shapes and dtypes) and pass them in order")
+    workspace = list(workspace)
+    if len(workspace) != len(layout):
+        names = [n for n, _, _ in layout]
+        raise ValueError(f"workspace: expected {len(layout)} buffers {names}, got {len(workspace)}")
+    out = []
+    for x, (name, shape, dtype) in zip(workspace, layout):
+        t = as_tensor(x, f"workspace[{name}]", writable=True)
+        _check(t, f"workspace[{name}]", tuple(shape), "", dtype, 4 if dtype == "float32" else 1, 16)
+        _check_device(t, f"workspace[{name}]", index)
+        out.append(t)
+    return out

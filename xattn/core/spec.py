@@ -1,0 +1,146 @@
+"""Compile keys and the support matrix of the xattn kernel launchers.
+
+A :class:`KernelSpec` is everything that changes the generated code of one launcher:
+kernel family, pass, dtype, head dims, GQA ratio, causal, sliding window, varlen,
+target arch and the versions of the libraries that produce the code. Batch, sequence
+lengths and head counts are NOT part of it: launchers are compiled with symbolic
+shapes, so one compile serves every size.
+
+:func:`supports` is the single support check. Front ends route on it, warnings
+quote it, tests skip on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from importlib import metadata
+
+__all__ = ["KernelSpec", "supports", "library_versions", "FAMILIES", "DTYPES"]
+
+FAMILIES = ("ffpa", "fa4")
+DIRECTIONS = ("fwd", "bwd")
+DTYPES = ("float16", "bfloat16")
+ARCHES = ("sm_90a",)
+
+FFPA_MIN_HEAD_DIM = 320
+FFPA_MAX_HEAD_DIM = 512
+FFPA_HEAD_DIM_MULTIPLE = 16
+# FA4 sm90 has tuned tile configs for these (head_dim, head_dim_v) pairs.
+FA4_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+
+_VERSIONED_DISTRIBUTIONS = (
+    "xattn",
+    "nvidia-cutlass-dsl",
+    "apache-tvm-ffi",
+    "ffpa-attn",
+    "flash-attn-4",
+    "quack-kernels",
+)
+
+
+@functools.cache
+def library_versions() -> tuple[tuple[str, str], ...]:
+    """``((distribution, version), ...)`` of everything that shapes a compiled launcher."""
+    out = []
+    for dist in _VERSIONED_DISTRIBUTIONS:
+        try:
+            out.append((dist, metadata.version(dist)))
+        except metadata.PackageNotFoundError:
+            out.append((dist, "missing"))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Compile key of one fixed-signature launcher.
+
+    Attributes:
+      family: ``"ffpa"`` (head_dim 320-512) or ``"fa4"`` (head_dim <= 256).
+      direction: ``"fwd"`` or ``"bwd"`` (a backward launcher runs every kernel of the pass).
+      dtype: ``"float16"`` or ``"bfloat16"`` (q, k, v, out, dout, dq, dk, dv).
+      head_dim: q/k head dim. head_dim_v: v/out head dim.
+      qhead_per_kvhead: Hq // Hkv (1 = MHA).
+      causal: bottom-right aligned causal mask (FlashAttention convention).
+      varlen: packed ``[T, H, D]`` layout with ``cu_seqlens``.
+      window_left / window_right: sliding window (FA4 forward only), ``None`` = unbounded.
+      arch: CuTeDSL target, ``"sm_90a"``.
+      versions: library versions, so a disk cache never mixes builds.
+    """
+
+    family: str
+    direction: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    qhead_per_kvhead: int = 1
+    causal: bool = False
+    varlen: bool = False
+    window_left: int | None = None
+    window_right: int | None = None
+    arch: str = "sm_90a"
+    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    @property
+    def is_local(self) -> bool:
+        return self.window_left is not None or self.window_right is not None
+
+    def short_name(self) -> str:
+        """Readable, deterministic name, e.g. ``ffpa_fwd_bfloat16_d512x512_g4_causal_dense_sm_90a``."""
+        parts = [self.family, self.direction, self.dtype, f"d{self.head_dim}x{self.head_dim_v}",
+                 f"g{self.qhead_per_kvhead}", "causal" if self.causal else "full",
+                 "varlen" if self.varlen else "dense"]
+        if self.is_local:
+            parts.append(f"w{self.window_left}_{self.window_right}")
+        parts.append(self.arch)
+        return "_".join(str(p) for p in parts)
+
+    def target_name(self) -> str:
+        """Deterministic, process-independent name for an XLA FFI target (includes a version hash)."""
+        digest = hashlib.sha256(repr(self.versions).encode()).hexdigest()[:10]
+        return f"xattn_{self.short_name()}_{digest}"
+
+
+def supports(spec: KernelSpec) -> str | None:
+    """Return ``None`` when ``spec`` can be compiled, else a one-line reason why not."""
+    if spec.family not in FAMILIES:
+        return f"unknown kernel family {spec.family!r}; expected one of {FAMILIES}"
+    if spec.direction not in DIRECTIONS:
+        return f"unknown direction {spec.direction!r}; expected one of {DIRECTIONS}"
+    if spec.dtype not in DTYPES:
+        return f"dtype {spec.dtype} is not supported; expected float16 or bfloat16"
+    if spec.arch not in ARCHES:
+        return f"arch {spec.arch} is not supported; xattn ships sm90 kernels ({', '.join(ARCHES)})"
+    if not isinstance(spec.qhead_per_kvhead, int) or spec.qhead_per_kvhead < 1:
+        return f"qhead_per_kvhead must be a positive int, got {spec.qhead_per_kvhead!r}"
+    if spec.causal and spec.is_local:
+        return "causal and a sliding window are mutually exclusive (causal is window (-1, 0))"
+    if spec.family == "ffpa":
+        return _ffpa_reason(spec)
+    return _fa4_reason(spec)
+
+
+def _ffpa_reason(spec: KernelSpec) -> str | None:
+    d, dv = spec.head_dim, spec.head_dim_v
+    if d != dv:
+        return f"FFPA needs q/k and v head dims equal, got {d} and {dv}"
+    if not FFPA_MIN_HEAD_DIM <= d <= FFPA_MAX_HEAD_DIM or d % FFPA_HEAD_DIM_MULTIPLE:
+        return (f"FFPA supports head_dim {FFPA_MIN_HEAD_DIM}-{FFPA_MAX_HEAD_DIM} in steps of "
+                f"{FFPA_HEAD_DIM_MULTIPLE}, got {d}")
+    if spec.is_local:
+        return "FFPA has no sliding-window kernel on sm90; use head_dim <= 256 (FA4) for local layers"
+    return None
+
+
+def _fa4_reason(spec: KernelSpec) -> str | None:
+    if (spec.head_dim, spec.head_dim_v) not in FA4_HEAD_DIMS:
+        pairs = ", ".join(f"{a}/{b}" for a, b in FA4_HEAD_DIMS)
+        return f"FA4 on sm90 supports (head_dim, head_dim_v) in {pairs}; got {spec.head_dim}/{spec.head_dim_v}"
+    if spec.is_local and spec.direction == "bwd":
+        return "FA4 sliding-window backward is not wired for sm90 in xattn yet"
+    for name in ("window_left", "window_right"):
+        w = getattr(spec, name)
+        if w is not None and (not isinstance(w, int) or w < 0):
+            return f"{name} must be a non-negative int or None, got {w!r}"
+    return None

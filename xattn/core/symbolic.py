@@ -1,0 +1,87 @@
+"""Symbolic (shape-free) compile arguments shared by every launcher family.
+
+Fake CuTe tensors are built with ``quack.compile_utils.make_fake_tensor``: batch,
+sequence and head dims are ``cute.sym_int()`` shared between tensors (so the generated
+TVM-FFI wrapper checks that, e.g., q and out agree on B and N), head dims are static,
+strides are symbolic with 16-byte divisibility and a unit innermost stride.
+"""
+
+from __future__ import annotations
+
+import time
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from quack.compile_utils import make_fake_stream, make_fake_tensor
+
+from .spec import KernelSpec
+
+__all__ = ["CUTE_DTYPES", "Dims", "compile_launcher"]
+
+CUTE_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+_F32_ROW_DIV = 4  # workspace rows are padded to the tile: 16-byte aligned rows
+
+
+class Dims:
+    """Fake tensors of one problem family, sharing symbolic dims across all arguments."""
+
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.dtype = CUTE_DTYPES[spec.dtype]
+        self.div = 128 // self.dtype.width
+        sym = cute.sym_int
+        self.b, self.hq, self.hkv = sym(), sym(), sym()
+        self.nq, self.nk = sym(), sym()  # dense: per-sequence lengths; varlen: total tokens
+        self.rows = sym()  # rounded query rows of workspace buffers
+        self.b1 = sym()  # varlen: B + 1
+
+    def _lead(self, n):
+        return (n,) if self.spec.varlen else (self.b, n)
+
+    def _half(self, n, h, d):
+        return make_fake_tensor(self.dtype, (*self._lead(n), h, d), divisibility=self.div)
+
+    def like_q(self):
+        return self._half(self.nq, self.hq, self.spec.head_dim)
+
+    def like_k(self):
+        return self._half(self.nk, self.hkv, self.spec.head_dim)
+
+    def like_v(self):
+        return self._half(self.nk, self.hkv, self.spec.head_dim_v)
+
+    def like_out(self):
+        return self._half(self.nq, self.hq, self.spec.head_dim_v)
+
+    def qkv(self):
+        return self.like_q(), self.like_k(), self.like_v()
+
+    def lse(self):
+        shape = (self.hq, self.nq) if self.spec.varlen else (self.b, self.hq, self.nq)
+        return make_fake_tensor(Float32, shape, divisibility=1)
+
+    def out_lse(self):
+        return self.like_out(), self.lse()
+
+    def rows_f32(self, rounded: bool = True, per_dim: int = 1):
+        """fp32 workspace ``[B, Hq, rows*per_dim]`` (dense) or ``[Hq, rows*per_dim]`` (varlen)."""
+        rows = self.rows if per_dim == 1 else self.rows * per_dim
+        shape = (self.hq, rows) if self.spec.varlen else (self.b, self.hq, rows)
+        return make_fake_tensor(Float32, shape, divisibility=_F32_ROW_DIV if rounded else 1)
+
+    def cu_seqlens(self):
+        return tuple(make_fake_tensor(Int32, (self.b1,), divisibility=1) for _ in range(2))
+
+
+def compile_launcher(launcher, tensors, scalars=(Float32(1.0),), log=None):
+    """``cute.compile`` a fixed-signature launcher into a TVM-FFI function.
+
+    ``tensors`` are fake tensors in launcher order, ``scalars`` example runtime scalars;
+    the stream is the TVM-FFI environment stream (torch: current stream; XLA: its stream).
+    """
+    t0 = time.perf_counter()
+    fn = cute.compile(launcher, *tensors, *scalars, make_fake_stream(), options="--enable-tvm-ffi")
+    if log is not None:
+        log(time.perf_counter() - t0)
+    return fn
