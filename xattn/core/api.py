@@ -66,10 +66,13 @@ def _enqueue(launcher, problem, ordered, scalars, stream) -> None:
     if stream is None:
         launcher.function(*ordered, *scalars)
         return
-    if isinstance(stream, bool) or not isinstance(stream, int):
-        raise TypeError(f"stream: expected None or an int cudaStream_t, got {type(stream).__name__}")
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", problem.device_index), stream):
         launcher.function(*ordered, *scalars)
+
+
+def _check_stream(stream) -> None:
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+        raise TypeError(f"stream: expected None or an int cudaStream_t, got {type(stream).__name__}")
 
 
 def _args(names, raw, ts, stream):
@@ -80,6 +83,7 @@ def _args(names, raw, ts, stream):
 
 def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
          max_seqlen_q, max_seqlen_k, window, stream):
+    _check_stream(stream)
     raw = dict(q=q, k=k, v=v, out=out, lse=lse)
     spec, problem, ts = check_attention(
         family, "fwd", raw, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -95,6 +99,7 @@ def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seql
 
 def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
          cu_seqlens_k, max_seqlen_q, max_seqlen_k, workspace, stream):
+    _check_stream(stream)
     raw = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     spec, problem, ts = check_attention(
         family, "bwd", raw, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

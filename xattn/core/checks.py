@@ -125,6 +125,11 @@ def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
     dv = v.shape[-1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"k: Hkv={hkv} must divide Hq={hq} (grouped-query attention)")
+    spec = KernelSpec(family, direction, dtype, d, dv, hq // hkv, causal, varlen,
+                      window_left=window[0], window_right=window[1])
+    reason = supports(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
 
     if varlen:
         (tq,), (tk,) = lead_q, lead_k
@@ -164,11 +169,6 @@ def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
         if n in expect:
             _check(t, n, *expect[n], dtype, _HALF_DIV, 16)
     _check(ts["lse"], "lse", lse_shape, lse_labels, "float32", 1, 4)
-    spec = KernelSpec(family, direction, dtype, d, dv, hq // hkv, causal, varlen,
-                      window_left=window[0], window_right=window[1])
-    reason = supports(spec)
-    if reason is not None:
-        raise NotImplementedError(reason)
     index = _check_device(q, "q", None)
     for n, t in ts.items():
         _check_device(t, n, index)
@@ -188,6 +188,7 @@ def check_workspace(workspace, layout: list, index: int) -> list:
     for x, (name, shape, dtype) in zip(workspace, layout):
         t = as_tensor(x, f"workspace[{name}]", writable=True)
         _check(t, f"workspace[{name}]", tuple(shape), "", dtype, 4 if dtype == "float32" else 1, 16)
-        _check_device(t, f"workspace[{name}]", index)
         out.append(t)
+    for t, (name, _, _) in zip(out, layout):
+        _check_device(t, f"workspace[{name}]", index)
     return out

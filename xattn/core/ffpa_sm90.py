@@ -18,8 +18,12 @@ Pre-initialisation (the FFPA kernels skip fully masked tiles):
 
 from __future__ import annotations
 
-import cutlass.cute as cute
-from cutlass import Float32
+from .device import prepare_dsl_environment
+
+prepare_dsl_environment()  # before cutlass reads its environment (CPU-only machines: sm_90a)
+
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32  # noqa: E402
 from quack.compile_utils import make_fake_tensor
 
 from ffpa_attn.cute._bwd_preprocess import FFPAAttnBwdPreprocess

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import time
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32
-from quack.compile_utils import make_fake_stream, make_fake_tensor
+from .device import prepare_dsl_environment
 
-from .spec import KernelSpec
+prepare_dsl_environment()  # before cutlass reads its environment (CPU-only machines: sm_90a)
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from quack.compile_utils import make_fake_stream, make_fake_tensor  # noqa: E402
+
+from .spec import KernelSpec  # noqa: E402
 
 __all__ = ["CUTE_DTYPES", "Dims", "compile_launcher"]
 
