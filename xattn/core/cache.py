@@ -43,6 +43,9 @@ def _default_compiler(spec: KernelSpec):
         raise NotImplementedError(
             f"{spec.short_name()}: this process compiles for {arch} (CUTE_DSL_ARCH / the GPU), "
             f"but the launcher targets {spec.arch}")
+    from .symbolic import check_dsl_arch
+
+    check_dsl_arch(spec.arch)
     if spec.family == "ffpa":
         from .ffpa_sm90 import compile_ffpa
         return compile_ffpa(spec)

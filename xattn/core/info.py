@@ -11,7 +11,9 @@ from .spec import library_versions
 
 __all__ = ["collect", "report"]
 
-_KERNEL_MODULES = {"ffpa": "ffpa_attn.cute", "fa4": "flash_attn.cute"}
+# Top-level names only: find_spec("a.b") would import "a", and the kernel packages pull in
+# cutlass, which must not initialise before xattn pins its target arch.
+_KERNEL_MODULES = {"ffpa": "ffpa_attn", "fa4": "flash_attn"}
 _GLUE_MODULES = ("cutlass", "tvm_ffi", "quack")
 
 

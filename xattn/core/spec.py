@@ -43,8 +43,10 @@ _VERSIONED_DISTRIBUTIONS = (
 @functools.cache
 def library_versions() -> tuple[tuple[str, str], ...]:
     """``((distribution, version), ...)`` of everything that shapes a compiled launcher."""
-    out = []
-    for dist in _VERSIONED_DISTRIBUTIONS:
+    from .. import __version__
+
+    out = [("xattn", __version__)]
+    for dist in _VERSIONED_DISTRIBUTIONS[1:]:
         try:
             out.append((dist, metadata.version(dist)))
         except metadata.PackageNotFoundError:
@@ -85,6 +87,18 @@ class KernelSpec:
     @property
     def is_local(self) -> bool:
         return self.window_left is not None or self.window_right is not None
+
+    def output_fill(self) -> dict[str, float]:
+        """Outputs the caller must pre-fill before a launch, ``{name: value}`` (others: any content).
+
+        FFPA skips fully masked tiles and empty segments: its causal/varlen forward needs
+        ``out = 0, lse = -inf``, and its backward ``dq = dk = dv = 0``. FA4 writes everything.
+        """
+        if self.family != "ffpa":
+            return {}
+        if self.direction == "bwd":
+            return {"dq": 0.0, "dk": 0.0, "dv": 0.0}
+        return {"out": 0.0, "lse": float("-inf")} if self.causal or self.varlen else {}
 
     def short_name(self) -> str:
         """Readable, deterministic name, e.g. ``ffpa_fwd_bfloat16_d512x512_g4_causal_dense_sm_90a``."""

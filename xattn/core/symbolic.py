@@ -21,7 +21,7 @@ from quack.compile_utils import make_fake_stream, make_fake_tensor  # noqa: E402
 
 from .spec import KernelSpec  # noqa: E402
 
-__all__ = ["CUTE_DTYPES", "Dims", "compile_launcher"]
+__all__ = ["CUTE_DTYPES", "Dims", "compile_launcher", "check_dsl_arch"]
 
 CUTE_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 _F32_ROW_DIV = 4  # workspace rows are padded to the tile: 16-byte aligned rows
@@ -76,6 +76,17 @@ class Dims:
 
     def cu_seqlens(self):
         return tuple(make_fake_tensor(Int32, (self.b1,), divisibility=1) for _ in range(2))
+
+
+def check_dsl_arch(expected: str) -> None:
+    """Refuse to compile when CuTeDSL was initialised for another arch than the launcher's."""
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    actual = str(BaseDSL._get_dsl().get_arch_enum())
+    if actual != expected:
+        raise NotImplementedError(
+            f"CuTeDSL targets {actual} in this process, xattn launchers need {expected}: set "
+            f"CUTE_DSL_ARCH={expected} (or import xattn before cutlass) and restart")
 
 
 def compile_launcher(launcher, tensors, scalars=(Float32(1.0),), log=None):
