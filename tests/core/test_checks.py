@@ -139,9 +139,9 @@ def test_backward_checks():
 
 
 def test_workspace_layout_and_checks():
-    lay = xc.bwd_workspace("ffpa", (2, 100, 8, 512))
-    assert lay == [("dpsum", (2, 8, 128), "float32"), ("lse_log2", (2, 8, 128), "float32")]
-    lay_v = xc.bwd_workspace("ffpa", (300, 8, 512), num_seqs=3, max_seqlen_q=200)
+    lay = xc.bwd_workspace("ffpa", (2, 100, 8, 512), (2, 90, 2, 512))
+    assert lay == [("dpsum", (2, 8, 128), "float32", None), ("lse_log2", (2, 8, 128), "float32", None)]
+    lay_v = xc.bwd_workspace("ffpa", (300, 8, 512), (200, 2, 512), num_seqs=3)
     assert lay_v[0][1] == (8, (300 + 4 * 64 - 1) // 64 * 64)
     with raises(ValueError, "workspace: required", "bwd_workspace"):
         check_workspace(None, lay, 0)
@@ -152,4 +152,24 @@ def test_workspace_layout_and_checks():
     with raises(ValueError, "workspace[dpsum]: expected a CUDA tensor"):
         check_workspace([torch.empty(2, 8, 128), torch.empty(2, 8, 128)], lay, 0)
     with raises(ValueError, "num_seqs"):
-        xc.bwd_workspace("ffpa", (300, 8, 512))
+        xc.bwd_workspace("ffpa", (300, 8, 512), (300, 8, 512))
+    with raises(NotImplementedError, "320-512"):
+        xc.bwd_workspace("ffpa", (2, 100, 8, 128), (2, 90, 2, 128))
+
+
+@pytest.mark.parametrize("causal, tile_m", [(False, 80), (True, 64)])
+def test_fa4_workspace_follows_its_tiles(causal, tile_m):
+    """d128 tiles: 80x128 non-causal, 64x128 causal; GQA adds zero-filled dK/dV accumulators."""
+    lay = {n: (shape, fill) for n, shape, _, fill in
+           xc.bwd_workspace("fa4", (2, 100, 8, 128), (2, 300, 2, 128), causal=causal)}
+    rows = -(-100 // tile_m) * tile_m
+    assert lay["dq_accum"] == ((2, 8, rows * 128), None)
+    assert lay["dpsum"] == ((2, 8, rows), None) == lay["lse_log2"]
+    assert lay["dk_accum"] == ((2, 2, 384 * 128), 0.0) == lay["dv_accum"]
+    mha = xc.bwd_workspace("fa4", (2, 100, 8, 128), (2, 300, 8, 128), causal=causal)
+    assert [n for n, *_ in mha] == ["dq_accum", "dpsum", "lse_log2"]
+
+
+def test_empty_key_set_is_refused():
+    with raises(ValueError, "k: no keys at all"):
+        fwd(dense(M=0))

@@ -28,6 +28,19 @@ SHIPPED = [
     _p("ffpa", "bwd", 512, varlen=True),
     _p("ffpa", "bwd", 320, g=2, causal=True),
     _p("ffpa", "bwd", 448),
+    # FA4: every sm90 head-dim config, GQA / causal / varlen / local, both passes.
+    _p("fa4", "fwd", 128),
+    _p("fa4", "fwd", 128, g=4, causal=True, varlen=True),
+    _p("fa4", "fwd", 192, 128, g=4, causal=True),
+    _p("fa4", "fwd", 256, g=2, window=(1023, 0)),
+    _p("fa4", "fwd", 64, causal=True, dtype="float16"),
+    _p("fa4", "fwd", 96, varlen=True),
+    _p("fa4", "bwd", 128, g=4),
+    _p("fa4", "bwd", 128, g=4, causal=True, varlen=True),
+    _p("fa4", "bwd", 192, 128, causal=True),
+    _p("fa4", "bwd", 256, g=2, window=(1023, 0)),
+    _p("fa4", "bwd", 64, varlen=True),
+    _p("fa4", "bwd", 96, g=2, causal=True),
 ]
 
 

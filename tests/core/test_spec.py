@@ -38,6 +38,7 @@ def test_supported(kw):
     pytest.param(dict(family="fa4", head_dim=512, head_dim_v=512), "FA4 on sm90 supports", id="fa4-d512"),
     pytest.param(dict(family="fa4", head_dim=128, head_dim_v=128, causal=True, window_left=8), "mutually exclusive", id="causal-window"),
     pytest.param(dict(qhead_per_kvhead=0), "positive", id="gqa0"),
+    pytest.param(dict(family="fa4", direction="bwd", head_dim=192, head_dim_v=128, qhead_per_kvhead=2), "GQA", id="fa4-192-128-gqa-bwd"),
     pytest.param(dict(family="xyz"), "unknown kernel family", id="family"),
 ])
 def test_unsupported_says_why(kw, words):

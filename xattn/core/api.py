@@ -24,45 +24,56 @@ from __future__ import annotations
 import tvm_ffi
 
 from .cache import get_launcher
-from .checks import _check_scale, check_attention, check_workspace
+from .checks import Problem, _check_scale, check_attention, check_workspace
+from .spec import KernelSpec, supports
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
 
 
-def bwd_workspace(family: str, q_shape, *, num_seqs: int | None = None, head_dim_v: int | None = None,
-                  max_seqlen_q: int | None = None) -> list[tuple[str, tuple, str]]:
-    """Scratch buffers of a backward call: ``[(name, shape, dtype), ...]`` in the order ``workspace=`` takes.
+def _workspace_layout(spec: KernelSpec, p: Problem):
+    if spec.family == "ffpa":
+        from .ffpa_sm90 import bwd_workspace_shapes
+    else:
+        from .fa4_sm90 import bwd_workspace_shapes
+    return bwd_workspace_shapes(spec, p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k,
+                                p.heads_q, p.heads_kv)
 
-    ``q_shape`` is ``[B, Nq, Hq, D]`` (dense) or ``[Tq, Hq, D]`` (varlen, then give
-    ``num_seqs`` = B and ``max_seqlen_q``). ``head_dim_v`` defaults to D. None of the
-    buffers needs initialising; their content after the call is unspecified.
+
+def bwd_workspace(family: str, q_shape, k_shape, *, head_dim_v: int | None = None,
+                  causal: bool = False, window_size=(None, None), num_seqs: int | None = None):
+    """Scratch buffers of a backward call, ``[(name, shape, dtype, fill), ...]`` in ``workspace=`` order.
+
+    ``q_shape``/``k_shape`` are ``[B, Nq, Hq, D]``/``[B, Nk, Hkv, D]`` (dense) or
+    ``[Tq, Hq, D]``/``[Tk, Hkv, D]`` (varlen: also give ``num_seqs`` = B). ``head_dim_v``
+    defaults to D; ``causal``/``window_size`` as in the call (FA4 tiles depend on them).
+    ``fill`` is ``None`` (any content) or the value every element must hold before the
+    call (FA4's GQA dK/dV accumulators start at 0). Contents afterwards are unspecified.
     """
-    q_shape = tuple(int(s) for s in q_shape)
+    q_shape, k_shape = tuple(int(s) for s in q_shape), tuple(int(s) for s in k_shape)
+    if len(q_shape) not in (3, 4) or len(k_shape) != len(q_shape):
+        raise ValueError(f"q_shape/k_shape: expected [B, N, H, D] or [T, H, D] each, got {q_shape} / {k_shape}")
     varlen = len(q_shape) == 3
     if varlen and num_seqs is None:
-        raise ValueError("num_seqs: required for a varlen q_shape [Tq, Hq, D]")
-    if len(q_shape) not in (3, 4):
-        raise ValueError(f"q_shape: expected [B, Nq, Hq, D] or [Tq, Hq, D], got {q_shape}")
+        raise ValueError("num_seqs: required for varlen shapes [T, H, D]")
+    hq, d, hkv = q_shape[-2], q_shape[-1], k_shape[-2]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"k_shape: Hkv={hkv} must divide Hq={hq}")
+    spec = KernelSpec(family, "bwd", "bfloat16", d, head_dim_v or d, hq // hkv, bool(causal), varlen,
+                      *window_size)
+    reason = supports(spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
     if varlen:
-        batch, seqlen_q, total_q = num_seqs, max_seqlen_q or 0, q_shape[0]
+        p = Problem(num_seqs, 0, 0, q_shape[0], k_shape[0], hq, hkv, 0)
     else:
-        batch, seqlen_q, total_q = q_shape[0], q_shape[1], q_shape[0] * q_shape[1]
-    heads_q, head_dim = q_shape[-2], q_shape[-1]
-    if family == "ffpa":
-        from .ffpa_sm90 import bwd_workspace_shapes
-        return bwd_workspace_shapes(varlen, batch, seqlen_q, total_q, heads_q)
-    if family == "fa4":
-        if varlen and max_seqlen_q is None:
-            raise ValueError("max_seqlen_q: required for a varlen FA4 workspace")
-        from .fa4_sm90 import bwd_workspace_shapes
-        return bwd_workspace_shapes(varlen, batch, seqlen_q, total_q, heads_q, head_dim,
-                                    head_dim_v or head_dim)
-    raise ValueError(f"family: expected 'ffpa' or 'fa4', got {family!r}")
+        b, nq, nk = q_shape[0], q_shape[1], k_shape[1]
+        p = Problem(b, nq, nk, b * nq, b * nk, hq, hkv, 0)
+    return _workspace_layout(spec, p)
 
 
 def _enqueue(launcher, problem, ordered, scalars, stream) -> None:
-    if problem.total_q == 0 or problem.total_k == 0:
-        return  # nothing to compute: outputs keep their documented initial values
+    if problem.total_q == 0:
+        return  # no query rows: nothing to write
     if stream is None:
         launcher.function(*ordered, *scalars)
         return
@@ -98,17 +109,14 @@ def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seql
 
 
 def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, workspace, stream):
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, workspace, stream):
     _check_stream(stream)
     raw = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     spec, problem, ts = check_attention(
         family, "bwd", raw, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
     scale = _check_scale(softmax_scale)
-    q_shape = tuple(ts["q"].shape)
-    layout = bwd_workspace(family, q_shape, num_seqs=problem.batch if spec.varlen else None,
-                           head_dim_v=spec.head_dim_v, max_seqlen_q=problem.seqlen_q)
-    ws = check_workspace(workspace, layout, problem.device_index)
+    ws = check_workspace(workspace, _workspace_layout(spec, problem), problem.device_index)
     names = ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"]
     if spec.varlen:
         raw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -142,12 +150,12 @@ def ffpa_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
 
     Uses exactly the ``out`` and ``lse`` given (e.g. the globally merged ones of ring
     attention); they are never recomputed. ``workspace`` is the list of buffers that
-    :func:`bwd_workspace` ("ffpa", q.shape, ...) describes (no init needed).
+    :func:`bwd_workspace` ("ffpa", q.shape, k.shape, ...) describes (no init needed).
 
     Pre-initialisation, by the caller: ``dq``, ``dk`` and ``dv`` must hold zeros.
     """
     _bwd("ffpa", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, workspace, stream)
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, (None, None), workspace, stream)
 
 
 def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
@@ -166,13 +174,14 @@ def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
 
 
 def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+            window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
             max_seqlen_k: int | None = None, workspace=None, stream: int | None = None) -> None:
     """FlashAttention-4 backward: writes dq, dk, dv (dk/dv reduced over each GQA group).
 
     Uses exactly the ``out`` and ``lse`` given. ``workspace`` is the list of buffers that
-    :func:`bwd_workspace` ("fa4", q.shape, ...) describes (no init needed: the launcher
-    clears its accumulators itself). dq, dk, dv need no pre-initialisation.
+    :func:`bwd_workspace` ("fa4", q.shape, k.shape, causal=..., ...) describes; under GQA
+    its ``dk_accum``/``dv_accum`` must hold zeros (their ``fill``). dq, dk, dv need no
+    pre-initialisation: every element is written.
     """
     _bwd("fa4", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, workspace, stream)
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, tuple(window_size), workspace, stream)

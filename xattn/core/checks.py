@@ -149,11 +149,12 @@ def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
         (batch, nq), (bk, nk) = lead_q, lead_k
         if bk != batch:
             raise ValueError(f"k: expected batch {batch} (as q), got shape {tuple(k.shape)}")
-        if nk == 0 and nq > 0:
-            raise ValueError("k: sequence length 0 with a non-empty q; attention over no keys is undefined")
         tq, tk = batch * nq, batch * nk
         rows_q, rows_k = (batch, nq), (batch, nk)
         lse_shape, lse_labels = (batch, hq, nq), "[B, Hq, Nq]"
+    if tk == 0 and tq > 0:
+        raise ValueError(f"k: no keys at all (shape {tuple(k.shape)}) for {tq} query rows; "
+                         "attention over an empty key set is undefined")
     lab = "[T, " if varlen else "[B, N, "
     expect = {
         "q": ((*rows_q, hq, d), lab + "Hq, D]"),
@@ -176,19 +177,19 @@ def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
 
 
 def check_workspace(workspace, layout: list, index: int) -> list:
-    """Check caller-supplied scratch buffers against ``layout`` ``[(name, shape, dtype)]``."""
+    """Check caller-supplied scratch buffers against ``layout`` ``[(name, shape, dtype, fill)]``."""
     if workspace is None:
         raise ValueError("workspace: required; allocate the buffers listed by "
                          "xattn.core.bwd_workspace(...) (shapes and dtypes) and pass them in order")
     workspace = list(workspace)
     if len(workspace) != len(layout):
-        names = [n for n, _, _ in layout]
+        names = [entry[0] for entry in layout]
         raise ValueError(f"workspace: expected {len(layout)} buffers {names}, got {len(workspace)}")
     out = []
-    for x, (name, shape, dtype) in zip(workspace, layout):
+    for x, (name, shape, dtype, _) in zip(workspace, layout):
         t = as_tensor(x, f"workspace[{name}]", writable=True)
         _check(t, f"workspace[{name}]", tuple(shape), "", dtype, 4 if dtype == "float32" else 1, 16)
         out.append(t)
-    for t, (name, _, _) in zip(out, layout):
+    for t, (name, *_) in zip(out, layout):
         _check_device(t, f"workspace[{name}]", index)
     return out

@@ -41,19 +41,18 @@ from ffpa_attn.cute._utils import SM90_BWD_TILE_M, SM90_BWD_TILE_N, SM90_FWD_TIL
 from .spec import KernelSpec
 from .symbolic import CUTE_DTYPES, Dims, compile_launcher
 
-__all__ = ["compile_ffpa", "bwd_workspace_shapes", "BWD_TILE_M"]
-
-BWD_TILE_M = SM90_BWD_TILE_M
+__all__ = ["compile_ffpa", "bwd_workspace_shapes"]
 
 
-def bwd_workspace_shapes(varlen: bool, batch: int, seqlen_q: int, total_q: int, heads_q: int):
-    """``[(name, shape, dtype)]`` of the FFPA backward workspace, in launcher order."""
+def bwd_workspace_shapes(spec: KernelSpec, batch: int, seqlen_q: int, seqlen_k: int, total_q: int,
+                         total_k: int, heads_q: int, heads_kv: int):
+    """``[(name, shape, dtype, fill)]`` of the FFPA backward workspace, in launcher order."""
     m = SM90_BWD_TILE_M
-    if varlen:
+    if spec.varlen:
         shape = (heads_q, (total_q + (batch + 1) * m - 1) // m * m)
     else:
         shape = (batch, heads_q, (seqlen_q + m - 1) // m * m)
-    return [("dpsum", shape, "float32"), ("lse_log2", shape, "float32")]
+    return [("dpsum", shape, "float32", None), ("lse_log2", shape, "float32", None)]
 
 
 class _DenseFwd:
@@ -151,7 +150,7 @@ def compile_ffpa(spec: KernelSpec):
     out, lse = dims.out_lse()
     dout = dims.like_out()
     grads = (dims.like_q(), dims.like_k(), dims.like_v())
-    ws = dims.rows_f32(rounded=True), dims.rows_f32(rounded=True)
+    ws = dims.scratch("q"), dims.scratch("q")
     if spec.varlen:
         args = (dout, q, k, v, out, lse, *dims.cu_seqlens(), *grads, *ws)
         return compile_launcher(_VarlenBwd(*kernels), args)

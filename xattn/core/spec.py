@@ -151,8 +151,9 @@ def _fa4_reason(spec: KernelSpec) -> str | None:
     if (spec.head_dim, spec.head_dim_v) not in FA4_HEAD_DIMS:
         pairs = ", ".join(f"{a}/{b}" for a, b in FA4_HEAD_DIMS)
         return f"FA4 on sm90 supports (head_dim, head_dim_v) in {pairs}; got {spec.head_dim}/{spec.head_dim_v}"
-    if spec.is_local and spec.direction == "bwd":
-        return "FA4 sliding-window backward is not wired for sm90 in xattn yet"
+    if spec.direction == "bwd" and spec.qhead_per_kvhead > 1 and spec.head_dim != spec.head_dim_v:
+        return (f"FA4's sm90 backward needs head_dim == head_dim_v under GQA; got "
+                f"{spec.head_dim}/{spec.head_dim_v} with {spec.qhead_per_kvhead} q heads per kv head")
     for name in ("window_left", "window_right"):
         w = getattr(spec, name)
         if w is not None and (not isinstance(w, int) or w < 0):

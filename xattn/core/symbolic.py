@@ -37,7 +37,6 @@ class Dims:
         sym = cute.sym_int
         self.b, self.hq, self.hkv = sym(), sym(), sym()
         self.nq, self.nk = sym(), sym()  # dense: per-sequence lengths; varlen: total tokens
-        self.rows = sym()  # rounded query rows of workspace buffers
         self.b1 = sym()  # varlen: B + 1
 
     def _lead(self, n):
@@ -68,11 +67,11 @@ class Dims:
     def out_lse(self):
         return self.like_out(), self.lse()
 
-    def rows_f32(self, rounded: bool = True, per_dim: int = 1):
-        """fp32 workspace ``[B, Hq, rows*per_dim]`` (dense) or ``[Hq, rows*per_dim]`` (varlen)."""
-        rows = self.rows if per_dim == 1 else self.rows * per_dim
-        shape = (self.hq, rows) if self.spec.varlen else (self.b, self.hq, rows)
-        return make_fake_tensor(Float32, shape, divisibility=_F32_ROW_DIV if rounded else 1)
+    def scratch(self, heads: str):
+        """fp32 workspace ``[B, H, rows]`` (dense) or ``[H, rows]`` (varlen), rows padded to a tile."""
+        h = self.hq if heads == "q" else self.hkv
+        shape = (h, cute.sym_int()) if self.spec.varlen else (self.b, h, cute.sym_int())
+        return make_fake_tensor(Float32, shape, divisibility=_F32_ROW_DIV)
 
     def cu_seqlens(self):
         return tuple(make_fake_tensor(Int32, (self.b1,), divisibility=1) for _ in range(2))
