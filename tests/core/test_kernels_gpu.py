@@ -209,3 +209,41 @@ def test_torch_current_stream_is_used():
     ref, _ = core_fwd("ffpa", q, k, v, scale=0.05)
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+def _bad_out_cases(q):
+    spare = torch.empty(q.numel() + 8, device="cuda", dtype=q.dtype)
+    return [
+        pytest.param(lambda: spare[1:1 + q.numel()].view(q.shape), (ValueError,), "out: data pointer must be 16-byte aligned", id="misaligned"),
+        pytest.param(lambda: torch.empty_like(q, dtype=torch.float16), (TypeError,), "out: expected dtype bfloat16", id="dtype"),
+        pytest.param(lambda: torch.empty(q.shape[:-1] + (q.shape[-1] * 2,), device="cuda", dtype=q.dtype)[..., ::2],
+                     (ValueError,), "out: needs unit stride", id="strided"),
+        pytest.param(lambda: torch.empty((q.shape[0], q.shape[1] + 1, *q.shape[2:]), device="cuda", dtype=q.dtype),
+                     (ValueError,), "out: expected shape", id="shape"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_bad_buffers_on_gpu_are_named_before_launch(case):
+    """Buffers that pass the cheap q/k/v checks are refused by the launcher's C-side checks,
+    then named by the full validation; the CUDA context stays healthy."""
+    q, k, v = _inputs((1, 128, 4, 128), (1, 128, 4, 128), 128, torch.bfloat16, seed=1)
+    lse = torch.empty(1, 4, 128, device="cuda")
+    make, exc, words = _bad_out_cases(q)[case].values
+    with pytest.raises(exc, match=words.replace("(", r"\(")):
+        xc.fa4_fwd(q, k, v, make(), lse, softmax_scale=0.1)
+    out, _ = core_fwd("fa4", q, k, v, scale=0.1)  # the context still works
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+
+
+def test_bad_workspace_is_named_before_launch():
+    q, k, v = _inputs((1, 128, 8, 512), (1, 128, 2, 512), 512, torch.bfloat16, seed=2)
+    out, lse = core_fwd("ffpa", q, k, v, scale=0.05)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    ws = [torch.empty(1, 8, 128, device="cuda"), torch.empty(1, 8, 100, device="cuda")]
+    with pytest.raises(ValueError, match=r"workspace\[lse_log2\]: expected shape \(1, 8, 128\)"):
+        xc.ffpa_bwd(out, q, k, v, out, lse, *grads, softmax_scale=0.05, workspace=ws)
+    ws[1] = torch.empty(1, 8, 128, device="cuda", dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"workspace\[lse_log2\]: expected dtype float32"):
+        xc.ffpa_bwd(out, q, k, v, out, lse, *grads, softmax_scale=0.05, workspace=ws)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import tvm_ffi
 
 from .cache import get_launcher
-from .checks import Problem, _check_scale, check_attention, check_workspace
+from .checks import Problem, _check_scale, as_tensor, check_attention, check_workspace, quick_check
 from .spec import KernelSpec, supports
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
@@ -71,59 +71,65 @@ def bwd_workspace(family: str, q_shape, k_shape, *, head_dim_v: int | None = Non
     return _workspace_layout(spec, p)
 
 
-def _enqueue(launcher, problem, ordered, scalars, stream) -> None:
-    if problem.total_q == 0:
-        return  # no query rows: nothing to write
-    if stream is None:
-        launcher.function(*ordered, *scalars)
-        return
-    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", problem.device_index), stream):
-        launcher.function(*ordered, *scalars)
-
-
 def _check_stream(stream) -> None:
     if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
         raise TypeError(f"stream: expected None or an int cudaStream_t, got {type(stream).__name__}")
 
 
-def _args(names, raw, ts, stream):
-    # stream=None: pass the producer's own objects so TVM-FFI picks up its current stream.
-    src = raw if stream is None else ts
-    return [src[n] for n in names]
+def _launch(launcher, problem, args, scale, stream, diagnose) -> None:
+    """Enqueue; if the launcher's own C-side argument checks refuse, explain by name."""
+    if problem.total_q == 0:
+        return  # no query rows: nothing to write
+    try:
+        if stream is None:  # the producers' objects: TVM-FFI adopts e.g. torch's current stream
+            launcher.function(*args, scale)
+        else:
+            views = [as_tensor(a, "buffer") for a in args]
+            with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", problem.device_index), stream):
+                launcher.function(*views, scale)
+    except (ValueError, TypeError):
+        diagnose()  # raises a ValueError/TypeError naming the argument
+        raise
 
 
 def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
          max_seqlen_q, max_seqlen_k, window, stream):
     _check_stream(stream)
-    raw = dict(q=q, k=k, v=v, out=out, lse=lse)
-    spec, problem, ts = check_attention(
-        family, "fwd", raw, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
     scale = _check_scale(softmax_scale)
-    names = ["q", "k", "v", "out", "lse"]
-    if spec.varlen:
-        raw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        names[3:3] = ["cu_seqlens_q", "cu_seqlens_k"]
-    launcher = get_launcher(spec)
-    _enqueue(launcher, problem, _args(names, raw, ts, stream), (scale,), stream)
+    raw = dict(q=q, k=k, v=v, out=out, lse=lse)
+    kw = dict(causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
+
+    def diagnose():
+        return check_attention(family, "fwd", raw, **kw)[:2]
+    spec, problem = quick_check(family, "fwd", raw, **kw) or diagnose()
+    args = [q, k, v, out, lse] if not spec.varlen else [q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse]
+    _launch(get_launcher(spec), problem, args, scale, stream, diagnose)
 
 
 def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
          cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, workspace, stream):
     _check_stream(stream)
-    raw = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    spec, problem, ts = check_attention(
-        family, "bwd", raw, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
     scale = _check_scale(softmax_scale)
-    ws = check_workspace(workspace, _workspace_layout(spec, problem), problem.device_index)
-    names = ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"]
+    raw = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    kw = dict(causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
+
+    def diagnose():
+        spec, problem, _ = check_attention(family, "bwd", raw, **kw)
+        check_workspace(workspace, _workspace_layout(spec, problem), problem.device_index)
+        return spec, problem
+    workspace = None if workspace is None else list(workspace)
+    spec, problem = quick_check(family, "bwd", raw, **kw) or diagnose()
+    layout = _workspace_layout(spec, problem)
+    if workspace is None or len(workspace) != len(layout) or any(
+            as_tensor(x, n).shape != shape for x, (n, shape, _, _) in zip(workspace, layout)):
+        diagnose()  # names the bad buffer (the rows dim of workspace is not checked in C)
+    args = [dout, q, k, v, out, lse]
     if spec.varlen:
-        raw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        names[6:6] = ["cu_seqlens_q", "cu_seqlens_k"]
-    src_ws = list(workspace) if stream is None else ws
-    launcher = get_launcher(spec)
-    _enqueue(launcher, problem, _args(names, raw, ts, stream) + src_ws, (scale,), stream)
+        args += [cu_seqlens_q, cu_seqlens_k]
+    args += [dq, dk, dv, *workspace]
+    _launch(get_launcher(spec), problem, args, scale, stream, diagnose)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False, cu_seqlens_q=None,

@@ -9,6 +9,7 @@ expected.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import tvm_ffi
 from .device import no_gpu_reason
 from .spec import DTYPES, KernelSpec, supports
 
-__all__ = ["Problem", "as_tensor", "check_attention", "check_workspace"]
+__all__ = ["Problem", "as_tensor", "check_attention", "check_workspace", "quick_check"]
 
 _KDLCUDA = 2
 _HALF_DIV = 8  # elements per 16 bytes for fp16/bf16
@@ -70,14 +71,27 @@ def _check(t, name: str, shape: tuple, labels: str, dtype: str, div: int, align:
     """dtype, exact shape, unit innermost stride, other strides % div, pointer % align bytes."""
     if str(t.dtype) != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {shape} {labels}, got {tuple(t.shape)}")
+    got = t.shape
+    if got != shape:
+        raise ValueError(f"{name}: expected shape {shape} {labels}, got {tuple(got)}")
+    if 0 in got:
+        return
     strides = t.strides
-    if t.numel() > 0 and (strides[-1] != 1 and shape[-1] != 1 or any(s % div for s in strides[:-1])):
-        raise ValueError(f"{name}: needs unit stride in the last dim and other strides multiple of "
-                         f"{div} elements, got strides {tuple(strides)} (call .contiguous())")
-    if t.numel() > 0 and t.data_ptr() % align:
+    if strides[-1] != 1 and got[-1] != 1:
+        raise ValueError(f"{name}: needs unit stride in the last dim, got strides {tuple(strides)} "
+                         "(call .contiguous())")
+    for st in strides[:-1]:
+        if st % div:
+            raise ValueError(f"{name}: strides other than the last must be multiples of {div} elements "
+                             f"(16 bytes), got {tuple(strides)} (call .contiguous())")
+    if t.data_ptr() % align:
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned, got {t.data_ptr():#x}")
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(*fields) -> tuple[KernelSpec, str | None]:
+    spec = KernelSpec(*fields)
+    return spec, supports(spec)
 
 
 def _check_scale(softmax_scale) -> float:
@@ -94,6 +108,59 @@ def _check_max_seqlen(value, name: str, cu_name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
     return value
+
+
+def _view(x):
+    return x if isinstance(x, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(x)
+
+
+def quick_check(family: str, direction: str, buffers: dict, *, causal, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window=(None, None)):
+    """The cheap subset of :func:`check_attention` that selects the launcher (hot path).
+
+    Reads only q, k, v (and cu_seqlens_q) metadata. Returns ``(spec, problem)``, or ``None``
+    when anything is off; the caller then runs :func:`check_attention` for a named error.
+    The remaining per-buffer checks (dtype, shape against q/k, strides, 16-byte alignment,
+    device) run in C in the compiled launcher's TVM-FFI entry before any kernel starts;
+    the caller diagnoses their failures with :func:`check_attention` too.
+    """
+    try:
+        if type(causal) is not bool:
+            return None
+        for n in (("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")):
+            if _is_jax_array(buffers[n]):
+                return None
+        q, k, v = _view(buffers["q"]), _view(buffers["k"]), _view(buffers["v"])
+        qs, ks = q.shape, k.shape
+        varlen = cu_seqlens_q is not None
+        rank = 3 if varlen else 4
+        if (cu_seqlens_k is not None) != varlen or len(qs) != rank or len(ks) != rank or v.ndim != rank:
+            return None
+        hq, d, hkv, dv = qs[-2], qs[-1], ks[-2], v.shape[-1]
+        if hkv == 0 or hq % hkv:
+            return None
+        if varlen:
+            if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or min(max_seqlen_q, max_seqlen_k) < 0:
+                return None
+            batch, nq, nk, tq, tk = _view(cu_seqlens_q).shape[0] - 1, max_seqlen_q, max_seqlen_k, qs[0], ks[0]
+            if batch < 1:
+                return None
+        else:
+            batch, nq, nk = qs[0], qs[1], ks[1]
+            tq, tk = batch * nq, batch * nk
+            if ks[0] != batch:
+                return None
+        if tk == 0 and tq > 0:
+            return None
+        dev = q.device
+        if dev.dlpack_device_type() != _KDLCUDA:
+            return None
+        spec, reason = _spec(family, direction, str(q.dtype), d, dv, hq // hkv, causal, varlen, *window)
+        if reason is not None:
+            return None
+        return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, dev.index)
+    except Exception:  # anything unexpected: let the full check name it
+        return None
 
 
 def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
@@ -125,9 +192,7 @@ def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
     dv = v.shape[-1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"k: Hkv={hkv} must divide Hq={hq} (grouped-query attention)")
-    spec = KernelSpec(family, direction, dtype, d, dv, hq // hkv, causal, varlen,
-                      window_left=window[0], window_right=window[1])
-    reason = supports(spec)
+    spec, reason = _spec(family, direction, dtype, d, dv, hq // hkv, causal, varlen, *window)
     if reason is not None:
         raise NotImplementedError(reason)
 
