@@ -30,6 +30,7 @@ steps = {
     "t.device": lambda: t.device,
     "t.data_ptr()": lambda: t.data_ptr(),
     "check_attention fwd": lambda: checks.check_attention("fa4", "fwd", dict(q=q, k=k, v=v, out=o, lse=lse), causal=False),
+    "quick_check fwd": lambda: checks.quick_check("fa4", "fwd", dict(q=q, k=k, v=v, out=o, lse=lse), False, None, None, None, None, (None, None)),
     "launcher(torch x5)": lambda: launcher.function(q, k, v, o, lse, 0.1),
     "launcher(tvm x5)": lambda: launcher.function(t, t, t, t, tvm_ffi.from_dlpack(lse), 0.1),
     "fa4_fwd full": lambda: xc.fa4_fwd(q, k, v, o, lse, softmax_scale=0.1),

@@ -94,33 +94,33 @@ def _launch(launcher, problem, args, scale, stream, diagnose) -> None:
 
 def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
          max_seqlen_q, max_seqlen_k, window, stream):
-    _check_stream(stream)
+    if stream is not None:
+        _check_stream(stream)
     scale = _check_scale(softmax_scale)
-    raw = dict(q=q, k=k, v=v, out=out, lse=lse)
-    kw = dict(causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
+    raw = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+    varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
 
     def diagnose():
-        return check_attention(family, "fwd", raw, **kw)[:2]
-    spec, problem = quick_check(family, "fwd", raw, **kw) or diagnose()
-    args = [q, k, v, out, lse] if not spec.varlen else [q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse]
+        return check_attention(family, "fwd", raw, causal, *varlen_args)[:2]
+    spec, problem = quick_check(family, "fwd", raw, causal, *varlen_args) or diagnose()
+    args = (q, k, v, out, lse) if not spec.varlen else (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
     _launch(get_launcher(spec), problem, args, scale, stream, diagnose)
 
 
 def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
          cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, workspace, stream):
-    _check_stream(stream)
+    if stream is not None:
+        _check_stream(stream)
     scale = _check_scale(softmax_scale)
-    raw = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    kw = dict(causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=window)
+    raw = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
+    workspace = None if workspace is None else list(workspace)
 
     def diagnose():
-        spec, problem, _ = check_attention(family, "bwd", raw, **kw)
+        spec, problem, _ = check_attention(family, "bwd", raw, causal, *varlen_args)
         check_workspace(workspace, _workspace_layout(spec, problem), problem.device_index)
         return spec, problem
-    workspace = None if workspace is None else list(workspace)
-    spec, problem = quick_check(family, "bwd", raw, **kw) or diagnose()
+    spec, problem = quick_check(family, "bwd", raw, causal, *varlen_args) or diagnose()
     layout = _workspace_layout(spec, problem)
     if workspace is None or len(workspace) != len(layout) or any(
             as_tensor(x, n).shape != shape for x, (n, shape, _, _) in zip(workspace, layout)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import tvm_ffi
 
@@ -24,8 +24,7 @@ _KDLCUDA = 2
 _HALF_DIV = 8  # elements per 16 bytes for fp16/bf16
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """Concrete sizes of a validated call (varlen: ``seqlen_*`` are the max_seqlen values)."""
 
     batch: int
@@ -38,8 +37,17 @@ class Problem:
     device_index: int
 
 
+_WRITABLE_TYPES: set = set()  # producer types seen to be non-JAX (hot-path memo)
+
+
 def _is_jax_array(x) -> bool:
-    return type(x).__module__.split(".", 1)[0] in ("jax", "jaxlib")
+    cls = type(x)
+    if cls in _WRITABLE_TYPES:
+        return False
+    if cls.__module__.split(".", 1)[0] in ("jax", "jaxlib"):
+        return True
+    _WRITABLE_TYPES.add(cls)
+    return False
 
 
 def as_tensor(x, name: str, writable: bool = False) -> tvm_ffi.Tensor:
@@ -114,8 +122,8 @@ def _view(x):
     return x if isinstance(x, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(x)
 
 
-def quick_check(family: str, direction: str, buffers: dict, *, causal, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, window=(None, None)):
+def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k, window):
     """The cheap subset of :func:`check_attention` that selects the launcher (hot path).
 
     Reads only q, k, v (and cu_seqlens_q) metadata. Returns ``(spec, problem)``, or ``None``
@@ -130,13 +138,13 @@ def quick_check(family: str, direction: str, buffers: dict, *, causal, cu_seqlen
         for n in (("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")):
             if _is_jax_array(buffers[n]):
                 return None
-        q, k, v = _view(buffers["q"]), _view(buffers["k"]), _view(buffers["v"])
-        qs, ks = q.shape, k.shape
+        q = _view(buffers["q"])
+        qs, ks, vs = q.shape, _view(buffers["k"]).shape, _view(buffers["v"]).shape
         varlen = cu_seqlens_q is not None
         rank = 3 if varlen else 4
-        if (cu_seqlens_k is not None) != varlen or len(qs) != rank or len(ks) != rank or v.ndim != rank:
+        if (cu_seqlens_k is not None) != varlen or len(qs) != rank or len(ks) != rank or len(vs) != rank:
             return None
-        hq, d, hkv, dv = qs[-2], qs[-1], ks[-2], v.shape[-1]
+        hq, d, hkv, dv = qs[-2], qs[-1], ks[-2], vs[-1]
         if hkv == 0 or hq % hkv:
             return None
         if varlen:
@@ -163,7 +171,7 @@ def quick_check(family: str, direction: str, buffers: dict, *, causal, cu_seqlen
         return None
 
 
-def check_attention(family: str, direction: str, buffers: dict, *, causal: bool,
+def check_attention(family: str, direction: str, buffers: dict, causal: bool = False,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                     window=(None, None)) -> tuple[KernelSpec, Problem, dict]:
     """Validate one call; return its compile key, sizes and the buffers as tvm_ffi tensors.

@@ -84,6 +84,13 @@ class KernelSpec:
     arch: str = "sm_90a"
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
+    def __post_init__(self):
+        # Launch-path lookups hash the key on every call: compute it once.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def is_local(self) -> bool:
         return self.window_left is not None or self.window_right is not None
