@@ -1,0 +1,23 @@
+"""`python -m xattn info` works on any machine and says what runs here and why not."""
+
+import json
+import subprocess
+import sys
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "xattn", *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_info_reports_versions_gpu_and_families():
+    text = _run("info")
+    assert "ffpa-attn 0.2.4" in text and "flash-attn-4 4.0.0b36" in text
+    assert "ffpa  run here:" in text and "fa4   run here:" in text
+    data = json.loads(_run("info", "--json"))
+    assert set(data["families"]) == {"ffpa", "fa4"}
+    for fam in data["families"].values():
+        assert fam["can_run"] == (fam["why_not_run"] is None)
+        assert fam["can_compile"], fam["why_not_compile"]  # sm_90a compiles anywhere
+    if not data["gpus"]:
+        assert data["no_gpu_reason"] and "GPU: none" in text
+        assert all("no GPU" in f["why_not_run"] for f in data["families"].values())
