@@ -1,6 +1,13 @@
 """Shared pytest setup: GPU tests skip cleanly where no usable sm90 GPU + kernel stack exists."""
 
+import os
+import tempfile
+
 import pytest
+
+# Tests never touch the user's kernel cache: one fresh directory per test session
+# (so the compile tests really compile), unless XATTN_CACHE_DIR is set (the GPU kit sets it).
+os.environ.setdefault("XATTN_CACHE_DIR", tempfile.mkdtemp(prefix="xattn-test-cache-"))
 
 from xattn.core.info import collect
 

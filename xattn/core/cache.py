@@ -1,7 +1,8 @@
-"""Compile-once launcher cache, keyed by :class:`KernelSpec`, safe across threads.
+"""Compile-once launcher cache, keyed by :class:`KernelSpec`, safe across threads and processes.
 
 Two threads asking for the same key compile it once (a per-key lock); different keys
-compile in parallel. The cache keeps the compiled CuTeDSL object alive (it owns the
+compile in parallel. Behind the in-memory cache sits the disk cache
+(:mod:`xattn.core.disk_cache`): later processes load instead of compiling. The cache keeps the compiled CuTeDSL object alive (it owns the
 loaded module) next to the raw positional ``tvm_ffi.Function`` used for launches.
 """
 
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import disk_cache
 from .device import prepare_dsl_environment
 from .spec import KernelSpec, supports
 
@@ -27,8 +29,9 @@ class Launcher:
 
     spec: KernelSpec
     function: Any  # tvm_ffi.Function, positional
-    owner: Any  # the CuTeDSL compiled object that keeps the module loaded
-    compile_seconds: float
+    owner: Any  # the CuTeDSL compiled object or loaded module that keeps the code alive
+    seconds: float  # time to get it: compile (+ export) or disk load
+    source: str  # "compiled" or "disk"
 
 
 _lock = threading.Lock()
@@ -71,17 +74,40 @@ def get_launcher(spec: KernelSpec) -> Launcher:
         key_lock = _key_locks.setdefault(spec, threading.Lock())
     with key_lock:
         entry = _entries.get(spec)
-        if entry is not None:
-            return entry
-        log.info("xattn: compiling %s", spec.short_name())
-        t0 = time.perf_counter()
-        owner = (_compiler or _default_compiler)(spec)
-        seconds = time.perf_counter() - t0
-        function = getattr(owner, "_tvm_ffi_function", None) or owner
-        entry = Launcher(spec, function, owner, seconds)
-        log.info("xattn: compiled %s in %.1f s", spec.short_name(), seconds)
-        _entries[spec] = entry
+        if entry is None:
+            entry = _prepare(spec)
+            _entries[spec] = entry
         return entry
+
+
+def _prepare(spec: KernelSpec) -> Launcher:
+    """Load ``spec`` from the disk cache, or compile (once across processes) and store it."""
+    t0 = time.perf_counter()
+    use_disk = disk_cache.enabled() and _compiler is None
+    if use_disk:
+        hit = disk_cache.load(spec)
+        if hit is None:
+            with disk_cache.compile_lock(spec):
+                hit = disk_cache.load(spec)  # another process may have compiled it meanwhile
+                if hit is None:
+                    return _compile(spec, t0, store=True)
+        module, function = hit
+        seconds = time.perf_counter() - t0
+        log.info("xattn: loaded %s from %s in %.2f s", spec.short_name(), disk_cache.cache_dir(), seconds)
+        return Launcher(spec, function, module, seconds, "disk")
+    return _compile(spec, t0, store=False)
+
+
+def _compile(spec: KernelSpec, t0: float, store: bool) -> Launcher:
+    log.info("xattn: compiling %s", spec.short_name())
+    owner = (_compiler or _default_compiler)(spec)
+    compile_seconds = time.perf_counter() - t0
+    if store:
+        disk_cache.store(spec, owner, compile_seconds)
+    function = getattr(owner, "_tvm_ffi_function", None) or owner
+    seconds = time.perf_counter() - t0
+    log.info("xattn: compiled %s in %.1f s", spec.short_name(), compile_seconds)
+    return Launcher(spec, function, owner, seconds, "compiled")
 
 
 def cached_specs() -> list[KernelSpec]:
