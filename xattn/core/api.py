@@ -26,15 +26,12 @@ import tvm_ffi
 from .cache import get_launcher
 from .checks import Problem, _check_scale, as_tensor, check_attention, check_workspace, quick_check
 from .spec import KernelSpec, supports
+from .workspace import bwd_workspace_shapes
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
-    if spec.family == "ffpa":
-        from .ffpa_sm90 import bwd_workspace_shapes
-    else:
-        from .fa4_sm90 import bwd_workspace_shapes
     return bwd_workspace_shapes(spec, p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k,
                                 p.heads_q, p.heads_kv)
 

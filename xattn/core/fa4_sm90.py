@@ -34,41 +34,15 @@ from flash_attn.cute.utils import AuxData  # noqa: E402
 from .spec import KernelSpec  # noqa: E402
 from .symbolic import CUTE_DTYPES, Dims, compile_launcher  # noqa: E402
 
-__all__ = ["compile_fa4", "bwd_workspace_shapes"]
+__all__ = ["compile_fa4"]
 
 _SM90 = 90
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def _bwd_config(spec: KernelSpec):
     cfg = _tile_size_bwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
     hdim_multiple_of = 64 if cfg.dKV_swapAB else 32
     return cfg, hdim_multiple_of
-
-
-def bwd_workspace_shapes(spec: KernelSpec, batch: int, seqlen_q: int, seqlen_k: int, total_q: int,
-                         total_k: int, heads_q: int, heads_kv: int):
-    """``[(name, shape, dtype, fill)]`` of the FA4 backward workspace, in launcher order."""
-    cfg, mult = _bwd_config(spec)
-    tm, tn = cfg.m_block_size, cfg.n_block_size
-    d_r, dv_r = _round_up(spec.head_dim, mult), _round_up(spec.head_dim_v, mult)
-    if spec.varlen:
-        rows_q = (heads_q, (total_q + (batch + 1) * tm - 1) // tm * tm)
-        rows_k = (heads_kv, (total_k + (batch + 1) * tn - 1) // tn * tn)
-    else:
-        rows_q = (batch, heads_q, _round_up(seqlen_q, tm))
-        rows_k = (batch, heads_kv, _round_up(seqlen_k, tn))
-    times = lambda rows, n: (*rows[:-1], rows[-1] * n)  # noqa: E731
-    out = [("dq_accum", times(rows_q, d_r), "float32", None),
-           ("dpsum", rows_q, "float32", None),
-           ("lse_log2", rows_q, "float32", None)]
-    if spec.qhead_per_kvhead > 1:
-        out += [("dk_accum", times(rows_k, d_r), "float32", 0.0),
-                ("dv_accum", times(rows_k, dv_r), "float32", 0.0)]
-    return out
 
 
 def _window(launcher):

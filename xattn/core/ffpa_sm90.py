@@ -41,18 +41,7 @@ from ffpa_attn.cute._utils import SM90_BWD_TILE_M, SM90_BWD_TILE_N, SM90_FWD_TIL
 from .spec import KernelSpec
 from .symbolic import CUTE_DTYPES, Dims, compile_launcher
 
-__all__ = ["compile_ffpa", "bwd_workspace_shapes"]
-
-
-def bwd_workspace_shapes(spec: KernelSpec, batch: int, seqlen_q: int, seqlen_k: int, total_q: int,
-                         total_k: int, heads_q: int, heads_kv: int):
-    """``[(name, shape, dtype, fill)]`` of the FFPA backward workspace, in launcher order."""
-    m = SM90_BWD_TILE_M
-    if spec.varlen:
-        shape = (heads_q, (total_q + (batch + 1) * m - 1) // m * m)
-    else:
-        shape = (batch, heads_q, (seqlen_q + m - 1) // m * m)
-    return [("dpsum", shape, "float32", None), ("lse_log2", shape, "float32", None)]
+__all__ = ["compile_ffpa"]
 
 
 class _DenseFwd:
