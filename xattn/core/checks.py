@@ -122,6 +122,26 @@ def _view(x):
     return x if isinstance(x, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(x)
 
 
+def _shape(x):
+    """``x.shape`` (the Array API attribute every producer we know has), else via DLPack."""
+    shape = getattr(x, "shape", None)
+    return shape if isinstance(shape, tuple) else _view(x).shape
+
+
+_DTYPE_NAMES: dict = {}  # (producer type, producer dtype) -> DLPack dtype name (hot-path memo)
+
+
+def _dtype_name(x, view) -> str:
+    try:
+        key = (type(x), x.dtype)
+        return _DTYPE_NAMES[key]
+    except (AttributeError, TypeError):  # no (hashable) dtype attribute
+        return str(view.dtype)
+    except KeyError:
+        name = _DTYPE_NAMES[key] = str(view.dtype)
+        return name
+
+
 def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, window):
     """The cheap subset of :func:`check_attention` that selects the launcher (hot path).
@@ -138,8 +158,9 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
         for n in (("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")):
             if _is_jax_array(buffers[n]):
                 return None
-        q = _view(buffers["q"])
-        qs, ks, vs = q.shape, _view(buffers["k"]).shape, _view(buffers["v"]).shape
+        q_raw = buffers["q"]
+        q = _view(q_raw)
+        qs, ks, vs = q.shape, _shape(buffers["k"]), _shape(buffers["v"])
         varlen = cu_seqlens_q is not None
         rank = 3 if varlen else 4
         if (cu_seqlens_k is not None) != varlen or len(qs) != rank or len(ks) != rank or len(vs) != rank:
@@ -150,7 +171,7 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
         if varlen:
             if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or min(max_seqlen_q, max_seqlen_k) < 0:
                 return None
-            batch, nq, nk, tq, tk = _view(cu_seqlens_q).shape[0] - 1, max_seqlen_q, max_seqlen_k, qs[0], ks[0]
+            batch, nq, nk, tq, tk = _shape(cu_seqlens_q)[0] - 1, max_seqlen_q, max_seqlen_k, qs[0], ks[0]
             if batch < 1:
                 return None
         else:
@@ -163,7 +184,7 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
         dev = q.device
         if dev.dlpack_device_type() != _KDLCUDA:
             return None
-        spec, reason = _spec(family, direction, str(q.dtype), d, dv, hq // hkv, causal, varlen, *window)
+        spec, reason = _spec(family, direction, _dtype_name(q_raw, q), d, dv, hq // hkv, causal, varlen, *window)
         if reason is not None:
             return None
         return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, dev.index)
