@@ -1,0 +1,90 @@
+"""A pure-NumPy stand-in for the compiled launchers (dense), registered through jax_tvm_ffi on the
+CPU platform, so CI exercises the real FFI plumbing: argument order, aliasing of pre-filled
+outputs, workspace, vmap folding. It checks the documented pre-fills on entry."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm_ffi
+
+from xattn.core.spec import KernelSpec
+
+CALLS: list[str] = []
+
+
+def _mask(nq, nk, spec: KernelSpec):
+    i = np.arange(nq)[:, None] + (nk - nq)
+    j = np.arange(nk)[None, :]
+    left, right = spec.window_left, (0 if spec.causal else spec.window_right)
+    m = np.ones((nq, nk), bool)
+    if right is not None:
+        m &= j <= i + right
+    if left is not None:
+        m &= j >= i - left
+    return m
+
+
+def _scores(spec, q, k, scale):
+    g = spec.qhead_per_kvhead
+    kk = np.repeat(k.astype(np.float32), g, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float32), kk) * scale
+    m = _mask(q.shape[1], k.shape[1], spec)
+    return np.where(m, s, -np.inf), m
+
+
+def _fwd(spec, q, k, v, out, lse, scale):
+    s, m = _scores(spec, q, k, scale)
+    mx = np.max(s, -1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0.0)
+    p = np.exp(s - mx)
+    den = p.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bkhd->bqhd", p / np.where(den > 0, den, 1.0),
+                  np.repeat(v.astype(np.float32), spec.qhead_per_kvhead, axis=2))
+    out[...] = o.astype(out.dtype)
+    lse[...] = np.where(den[..., 0] > 0, np.log(np.where(den[..., 0] > 0, den[..., 0], 1.0)) + mx[..., 0], -np.inf)
+
+
+def _bwd(spec, dout, q, k, v, out, lse, dq, dk, dv, scale):
+    g = spec.qhead_per_kvhead
+    s, m = _scores(spec, q, k, scale)
+    fin = np.isfinite(lse)[..., None]
+    p = np.where(m & fin, np.exp(np.where(m, s, 0.0) - np.where(fin, lse[..., None], 0.0)), 0.0)
+    do = dout.astype(np.float32)
+    vv = np.repeat(v.astype(np.float32), g, axis=2)
+    kk = np.repeat(k.astype(np.float32), g, axis=2)
+    dvh = np.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
+    delta = np.einsum("bqhd,bqhd->bhq", do, out.astype(np.float32))[..., None]
+    ds = p * (dp - delta)
+    dq[...] = (np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale).astype(dq.dtype)
+    dkh = np.einsum("bhqk,bqhd->bkhd", ds, q.astype(np.float32)) * scale
+    b, nk, hkv, _ = k.shape
+    dk[...] = dkh.reshape(b, nk, hkv, g, -1).sum(3).astype(dk.dtype)
+    dv[...] = dvh.reshape(b, nk, hkv, g, -1).sum(3).astype(dv.dtype)
+
+
+def make(spec: KernelSpec):
+    """A tvm_ffi function with the launcher's signature for ``spec`` (dense only)."""
+    if spec.varlen:
+        raise NotImplementedError("the NumPy stand-in covers dense launchers")
+    fills = spec.output_fill()
+
+    def launcher(*args):
+        *tensors, scale = args
+        arrs = [np.from_dlpack(t) for t in tensors]
+        names = (["q", "k", "v", "out", "lse"] if spec.direction == "fwd"
+                 else ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"])
+        named = dict(zip(names, arrs))
+        for name, value in fills.items():  # the documented pre-fill must have happened (aliasing)
+            assert np.all(named[name] == value), f"{name} was not pre-filled with {value}"
+        CALLS.append(f"{spec.direction}:{arrs[0].shape}")
+        if spec.direction == "fwd":
+            _fwd(spec, *arrs[:5], float(scale))
+        else:
+            _bwd(spec, *arrs[:9], float(scale))
+
+    return tvm_ffi.convert(launcher)
+
+
+def provider(spec: KernelSpec):
+    return make(spec), "cpu"

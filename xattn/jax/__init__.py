@@ -1,0 +1,12 @@
+"""xattn.jax: the xattn kernels for JAX, as ``custom_vjp`` functions over XLA FFI targets.
+
+Layouts follow ``jax.nn.dot_product_attention`` (``[B, N, H, D]``); causal masks are
+bottom-right aligned (FlashAttention) when Nq != Nk. ``backend="reference"`` runs the same
+math in pure jnp on any device (``"auto"`` picks it off-GPU).
+"""
+
+from .attention import fa4_bwd, fa4_fwd, ffpa_attention, ffpa_bwd, ffpa_fwd, flash_attention
+from .reference import attention_reference
+
+__all__ = ["ffpa_attention", "flash_attention", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd",
+           "attention_reference"]

@@ -1,0 +1,107 @@
+"""XLA FFI glue: the core's compiled launchers as XLA custom calls (through jax-tvm-ffi).
+
+Target names come from the compile key (``KernelSpec.target_name()``), so every process
+agrees on them; registration happens once per (spec, platform) under a lock and the
+function objects stay referenced for the life of the process.
+
+Calling convention (launcher parameters are inputs first, then outputs and workspace):
+
+* no output needs a pre-fill (``spec.output_fill()`` empty, no workspace ``fill``):
+  ``arg_spec=["args", "rets", "attrs.softmax_scale"]``; XLA allocates the outputs;
+* otherwise every output and workspace buffer goes in as an input initialised by XLA
+  (zeros / -inf) and aliased to the matching result; ``arg_spec=["args", "attrs.softmax_scale"]``
+  (XLA hands uninitialised result buffers, so pre-filled outputs must be aliased inputs).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xattn.core.spec import KernelSpec
+
+__all__ = ["call", "set_launcher_provider", "registered_targets"]
+
+_lock = threading.Lock()
+_registered: dict[str, object] = {}  # target name -> function (kept alive)
+_provider: Callable[[KernelSpec], tuple[object, str]] | None = None
+
+
+def _check_pairing():
+    try:
+        import jax_tvm_ffi
+    except ImportError as exc:
+        raise ImportError("xattn.jax needs jax-tvm-ffi: pip install jax-tvm-ffi==0.1.3") from exc
+    ffi_version = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
+    if ffi_version < (0, 9, 1):
+        raise ImportError(f"jax-tvm-ffi 0.1.3 needs jax >= 0.9.1 (XLA FFI API 0.3); found jax {jax.__version__}. "
+                          "Upgrade jax, or install jax-tvm-ffi==0.1.2 for older jax.")
+    return jax_tvm_ffi
+
+
+def _default_provider(spec: KernelSpec):
+    from xattn.core import get_launcher
+
+    return get_launcher(spec).function, "gpu"
+
+
+def set_launcher_provider(provider: Callable[[KernelSpec], tuple[object, str]] | None) -> None:
+    """Replace where launchers come from: ``provider(spec) -> (tvm_ffi function, platform)``.
+
+    Tests plug in a NumPy stand-in on the ``"cpu"`` platform; ``None`` restores the
+    compiled CuTeDSL launchers on ``"gpu"``.
+    """
+    global _provider
+    _provider = provider
+
+
+def _aliased(spec: KernelSpec, workspace) -> bool:
+    return bool(spec.output_fill()) or any(fill is not None for *_, fill in workspace)
+
+
+def _target(spec: KernelSpec, aliased: bool) -> str:
+    function, platform = (_provider or _default_provider)(spec)
+    name = f"{spec.target_name()}_{platform}" + ("_aliased" if aliased else "")
+    if name in _registered:
+        return name
+    with _lock:
+        if name not in _registered:
+            jax_tvm_ffi = _check_pairing()
+            arg_spec = ["args", "attrs.softmax_scale"] if aliased else ["args", "rets", "attrs.softmax_scale"]
+            jax_tvm_ffi.register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
+                                            pass_owned_tensor=platform == "cpu")
+            _registered[name] = function
+    return name
+
+
+def registered_targets() -> list[str]:
+    """Names of the XLA FFI targets this process registered."""
+    return sorted(_registered)
+
+
+def call(spec: KernelSpec, inputs, outputs, workspace, softmax_scale: float, vmap_method: str | None = None):
+    """Run one launcher from JAX; returns the output arrays (workspace dropped).
+
+    ``outputs``/``workspace``: ``[(name, shape, dtype, fill | None)]`` in launcher order;
+    ``outputs`` fills default to ``spec.output_fill()``.
+    """
+    fills = spec.output_fill()
+    outputs = [(n, tuple(s), d, fills.get(n)) for n, s, d, *_ in outputs]
+    buffers = outputs + [(n, tuple(s), d, f) for n, s, d, f in workspace]
+    aliased = _aliased(spec, workspace)
+    result = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for _, s, d, _ in buffers]
+    kw = {} if vmap_method is None else dict(vmap_method=vmap_method)
+    scale = np.float32(softmax_scale)
+    if aliased:
+        n_in = len(inputs)
+        initial = [jnp.full(s, 0.0 if f is None else f, dtype=jnp.dtype(d)) for _, s, d, f in buffers]
+        aliases = {n_in + i: i for i in range(len(buffers))}
+        res = jax.ffi.ffi_call(_target(spec, True), result, input_output_aliases=aliases, **kw)(
+            *inputs, *initial, softmax_scale=scale)
+    else:
+        res = jax.ffi.ffi_call(_target(spec, False), result, **kw)(*inputs, softmax_scale=scale)
+    return list(res[: len(outputs)])

@@ -1,0 +1,211 @@
+"""Dense attention for JAX: ``custom_vjp`` functions over the core's launchers (XLA FFI).
+
+Glossary: B batch, Nq/Nk lengths, Hq/Hkv heads (Hq % Hkv == 0), D q/k head dim, Dv v head
+dim. Layout ``[B, N, H, D]`` like ``jax.nn.dot_product_attention``; lse fp32 ``[B, Hq, Nq]``.
+Causal and sliding windows are **bottom-right aligned** when Nq != Nk (FlashAttention's
+convention; ``jax.nn`` is top-left): query i sees key j iff j <= i + Nk - Nq.
+
+``backend``: ``"kernel"`` (the CuTeDSL kernels through XLA FFI; GPU), ``"reference"``
+(:mod:`xattn.jax.reference`, pure jnp, any device), ``"auto"`` (kernel on GPU, reference on
+other platforms). An unsupported configuration on ``"kernel"``/``"auto"``-on-GPU raises
+``NotImplementedError`` naming the reason; it never falls back silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_batching import custom_vmap
+
+from xattn.core.spec import KernelSpec, supports
+from xattn.core.workspace import bwd_workspace_shapes
+
+from . import _ffi
+from .reference import attention_reference, attention_reference_bwd
+
+__all__ = ["ffpa_attention", "flash_attention", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd"]
+
+_DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+RESIDUAL_NAMES = ("xattn_q", "xattn_k", "xattn_v", "xattn_out", "xattn_lse")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Static (hashable) options of one attention call."""
+
+    family: str
+    scale: float
+    causal: bool = False
+    window: tuple = (None, None)
+    backend: str = "kernel"
+
+    def spec(self, direction: str, q, k, v, varlen: bool = False) -> KernelSpec:
+        dtype = _DTYPES.get(jnp.dtype(q.dtype))
+        if dtype is None:
+            raise TypeError(f"q: expected float16 or bfloat16 for the {self.family} kernels, got {q.dtype}")
+        for name, t in (("k", k), ("v", v)):
+            if jnp.dtype(t.dtype) != jnp.dtype(q.dtype):
+                raise TypeError(f"{name}: expected dtype {q.dtype} (as q), got {t.dtype}")
+        hq, hkv = q.shape[-2], k.shape[-2]
+        if hkv == 0 or hq % hkv:
+            raise ValueError(f"k: Hkv={hkv} must divide Hq={hq}")
+        spec = KernelSpec(self.family, direction, dtype, q.shape[-1], v.shape[-1], hq // hkv, self.causal,
+                          varlen, *self.window)
+        reason = supports(spec)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        return spec
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in ("auto", "kernel", "reference"):
+        raise ValueError(f"backend: expected 'auto', 'kernel' or 'reference', got {backend!r}")
+    if backend == "auto":
+        return "kernel" if jax.default_backend() == "gpu" else "reference"
+    return backend
+
+
+def check_dense(q, k, v) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v: expected rank 4 [B, N, H, D], got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k/v: expected [B, Nk, Hkv, D] / [B, Nk, Hkv, Dv] matching q {q.shape}; "
+                         f"got {k.shape}, {v.shape}")
+
+
+# --- kernels through XLA FFI, with vmap folded into the batch dim (one launch) -------------
+
+def _fwd_call(cfg: Config, q, k, v):
+    spec = cfg.spec("fwd", q, k, v)
+    b, nq, hq, _ = q.shape
+    outs = [("out", (b, nq, hq, v.shape[-1]), q.dtype), ("lse", (b, hq, nq), "float32")]
+    out, lse = _ffi.call(spec, [q, k, v], outs, [], cfg.scale)
+    return out, lse
+
+
+def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
+    spec = cfg.spec("bwd", q, k, v)
+    b, nq, hq, _ = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    ws = bwd_workspace_shapes(spec, b, nq, nk, b * nq, b * nk, hq, hkv)
+    outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
+    dq, dk, dv = _ffi.call(spec, [dout, q, k, v, out, lse], outs, ws, cfg.scale)
+    return dq, dk, dv
+
+
+def _fold_batch(fn):
+    """custom_vmap: fold the mapped axis into B (mapped-axis major), launch once, unfold."""
+    wrapped = custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        full = [a if bat else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, bat in zip(args, in_batched)]
+        folded = [a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in full]
+        outs = wrapped(*folded)
+        return tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs), (True,) * len(outs)
+
+    return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(cfg: Config):
+    return (_fold_batch(functools.partial(_fwd_call, cfg)), _fold_batch(functools.partial(_bwd_call, cfg)))
+
+
+def _forward(cfg: Config, q, k, v):
+    if cfg.backend == "reference":
+        return attention_reference(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window)
+    out, lse = _kernels(cfg)[0](q, k, v)
+    return out, lse
+
+
+def _backward(cfg: Config, dout, q, k, v, out, lse):
+    if cfg.backend == "reference":
+        return attention_reference_bwd(dout, q, k, v, out, lse, scale=cfg.scale, causal=cfg.causal,
+                                       window=cfg.window)
+    dq, dk, dv = _kernels(cfg)[1](dout, q, k, v, out, lse)
+    return dq, dk, dv
+
+
+# --- the differentiable function --------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: Config, q, k, v):
+    return _forward(cfg, q, k, v)[0]
+
+
+def _attention_fwd(cfg: Config, q, k, v):
+    out, lse = _forward(cfg, q, k, v)
+    res = tuple(checkpoint_name(x, n) for x, n in zip((q, k, v, out, lse), RESIDUAL_NAMES))
+    return out, res
+
+
+def _attention_bwd(cfg: Config, res, dout):
+    q, k, v, out, lse = res
+    return _backward(cfg, dout, q, k, v, out, lse)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _config(family, q, scale, causal, window, backend) -> Config:
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    return Config(family, float(scale), causal, tuple(window), resolve_backend(backend))
+
+
+def ffpa_attention(q, k, v, *, scale: float | None = None, causal: bool = False, backend: str = "auto"):
+    """FFPA attention (head_dim 320-512), differentiable: returns out ``[B, Nq, Hq, D]``.
+
+    q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]``, fp16/bf16. ``scale`` defaults to 1/sqrt(D)
+    (Gemma 4 passes 1.0). Residuals (q, k, v, out, lse) are tagged ``xattn_*`` for remat
+    policies; the backward runs the kernel on exactly those out/lse. Works under jit, grad,
+    vmap (folded into B: one launch), remat and shard_map.
+    """
+    check_dense(q, k, v)
+    return _attention(_config("ffpa", q, scale, causal, (None, None), backend), q, k, v)
+
+
+def flash_attention(q, k, v, *, scale: float | None = None, causal: bool = False,
+                    window_size: tuple = (None, None), backend: str = "auto"):
+    """FlashAttention-4 attention (head_dim <= 256, e.g. 128 or 192/128), differentiable.
+
+    Same conventions as :func:`ffpa_attention`; ``window_size=(left, right)`` selects
+    sliding-window attention (bottom-right aligned, ``None`` = unbounded side).
+    """
+    check_dense(q, k, v)
+    return _attention(_config("fa4", q, scale, causal, window_size, backend), q, k, v)
+
+
+# --- low level: the building blocks of ring attention ------------------------------------
+
+def ffpa_fwd(q, k, v, *, scale: float, causal: bool = False, backend: str = "auto"):
+    """``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``; not differentiable (see :func:`ffpa_bwd`)."""
+    check_dense(q, k, v)
+    return _forward(_config("ffpa", q, scale, causal, (None, None), backend), q, k, v)
+
+
+def ffpa_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool = False, backend: str = "auto"):
+    """``(dq, dk, dv)`` using exactly the supplied ``out``/``lse`` (e.g. ring-merged ones)."""
+    check_dense(q, k, v)
+    return _backward(_config("ffpa", q, scale, causal, (None, None), backend), dout, q, k, v, out, lse)
+
+
+def fa4_fwd(q, k, v, *, scale: float, causal: bool = False, window_size=(None, None), backend: str = "auto"):
+    """FA4 ``(out, lse)``; see :func:`ffpa_fwd`."""
+    check_dense(q, k, v)
+    return _forward(_config("fa4", q, scale, causal, window_size, backend), q, k, v)
+
+
+def fa4_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool = False, window_size=(None, None),
+            backend: str = "auto"):
+    """FA4 ``(dq, dk, dv)`` from the supplied out/lse; see :func:`ffpa_bwd`."""
+    check_dense(q, k, v)
+    return _backward(_config("fa4", q, scale, causal, window_size, backend), dout, q, k, v, out, lse)
