@@ -63,25 +63,51 @@ def _bwd(spec, dout, q, k, v, out, lse, dq, dk, dv, scale):
     dv[...] = dvh.reshape(b, nk, hkv, g, -1).sum(3).astype(dv.dtype)
 
 
+def _varlen(spec, named, scale):
+    """Run the dense math per segment on [1, len, H, D] slices (bottom-right per segment)."""
+    cu_q, cu_k = named["cu_seqlens_q"], named["cu_seqlens_k"]
+    if spec.direction == "fwd":
+        named["out"][...] = 0
+        named["lse"][...] = -np.inf
+    else:
+        for n in ("dq", "dk", "dv"):
+            named[n][...] = 0
+    for s in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        if qe == qs or ke == ks:
+            continue
+        sl = {n: named[n][None, qs:qe] for n in ("q", "out", "dout", "dq") if n in named}
+        sl.update({n: named[n][None, ks:ke] for n in ("k", "v", "dk", "dv") if n in named})
+        lse = named["lse"][:, qs:qe][None]
+        if spec.direction == "fwd":
+            lse_out = np.empty_like(lse)
+            _fwd(spec, sl["q"], sl["k"], sl["v"], sl["out"], lse_out, scale)
+            named["lse"][:, qs:qe] = lse_out[0]
+        else:
+            _bwd(spec, sl["dout"], sl["q"], sl["k"], sl["v"], sl["out"], lse, sl["dq"], sl["dk"], sl["dv"], scale)
+
+
 def make(spec: KernelSpec):
-    """A tvm_ffi function with the launcher's signature for ``spec`` (dense only)."""
-    if spec.varlen:
-        raise NotImplementedError("the NumPy stand-in covers dense launchers")
+    """A tvm_ffi function with the launcher's signature for ``spec``."""
     fills = spec.output_fill()
+    if spec.direction == "fwd":
+        names = ["q", "k", "v"] + (["cu_seqlens_q", "cu_seqlens_k"] if spec.varlen else []) + ["out", "lse"]
+    else:
+        names = (["dout", "q", "k", "v", "out", "lse"] + (["cu_seqlens_q", "cu_seqlens_k"] if spec.varlen else [])
+                 + ["dq", "dk", "dv"])
 
     def launcher(*args):
         *tensors, scale = args
-        arrs = [np.from_dlpack(t) for t in tensors]
-        names = (["q", "k", "v", "out", "lse"] if spec.direction == "fwd"
-                 else ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"])
-        named = dict(zip(names, arrs))
+        named = dict(zip(names, [np.from_dlpack(t) for t in tensors]))
         for name, value in fills.items():  # the documented pre-fill must have happened (aliasing)
             assert np.all(named[name] == value), f"{name} was not pre-filled with {value}"
-        CALLS.append(f"{spec.direction}:{arrs[0].shape}")
-        if spec.direction == "fwd":
-            _fwd(spec, *arrs[:5], float(scale))
+        CALLS.append(f"{spec.direction}:{named['q'].shape}")
+        if spec.varlen:
+            _varlen(spec, named, float(scale))
+        elif spec.direction == "fwd":
+            _fwd(spec, *(named[n] for n in names), float(scale))
         else:
-            _bwd(spec, *arrs[:9], float(scale))
+            _bwd(spec, *(named[n] for n in names), float(scale))
 
     return tvm_ffi.convert(launcher)
 
