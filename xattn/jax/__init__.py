@@ -6,7 +6,10 @@ math in pure jnp on any device (``"auto"`` picks it off-GPU).
 """
 
 from .attention import fa4_bwd, fa4_fwd, ffpa_attention, ffpa_bwd, ffpa_fwd, flash_attention
+from .nn import dot_product_attention
 from .reference import attention_reference
+from .varlen import packed_attention, segment_ids_to_cu_seqlens, varlen_attention, varlen_bwd, varlen_fwd
 
-__all__ = ["ffpa_attention", "flash_attention", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd",
-           "attention_reference"]
+__all__ = ["ffpa_attention", "flash_attention", "dot_product_attention", "varlen_attention",
+           "packed_attention", "segment_ids_to_cu_seqlens", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd",
+           "varlen_fwd", "varlen_bwd", "attention_reference"]
