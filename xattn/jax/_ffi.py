@@ -83,6 +83,26 @@ def registered_targets() -> list[str]:
     return sorted(_registered)
 
 
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older jax
+
+
+def _match_varying(results, inputs):
+    """Inside shard_map, custom-call results carry no varying-axis type: give them the inputs'.
+
+    Without it a custom_vjp backward returns cotangents typed unlike its primals and fails.
+    """
+    axes = frozenset().union(*(_varying_axes(x) for x in inputs))
+    if not axes:
+        return list(results)
+    return [jax.lax.pcast(r, tuple(sorted(axes)), to="varying") if _varying_axes(r) != axes else r
+            for r in results]
+
+
 def call(spec: KernelSpec, inputs, outputs, workspace, softmax_scale: float, vmap_method: str | None = None):
     """Run one launcher from JAX; returns the output arrays (workspace dropped).
 
@@ -104,4 +124,4 @@ def call(spec: KernelSpec, inputs, outputs, workspace, softmax_scale: float, vma
             *inputs, *initial, softmax_scale=scale)
     else:
         res = jax.ffi.ffi_call(_target(spec, False), result, **kw)(*inputs, softmax_scale=scale)
-    return list(res[: len(outputs)])
+    return _match_varying(res[: len(outputs)], inputs)
