@@ -76,3 +76,23 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     fin = torch.isfinite(ref)
     x, ref = x.to(torch.float64)[fin], ref.to(torch.float64)[fin]
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def attention_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool = False, window=(None, None)):
+    """Dense backward from the SUPPLIED out/lse (FlashAttention formulas, fp64, no autograd)."""
+    f = torch.float64
+    g = q.shape[2] // k.shape[2]
+    kk, vv = k.to(f).repeat_interleave(g, dim=2), v.to(f).repeat_interleave(g, dim=2)
+    s = torch.einsum("bnhd,bmhd->bhnm", q.to(f), kk) * scale
+    mask = allowed(q.shape[1], k.shape[1], causal, window, device=q.device)
+    lse = lse.to(f)[..., None]
+    p = torch.where(mask & torch.isfinite(lse), torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)), 0)
+    do = dout.to(f)
+    dvv = torch.einsum("bhnm,bnhd->bmhd", p, do)
+    dp = torch.einsum("bnhd,bmhd->bhnm", do, vv)
+    delta = torch.einsum("bnhd,bnhd->bhn", do, out.to(f))[..., None]
+    ds = p * (dp - delta)
+    dq = torch.einsum("bhnm,bmhd->bnhd", ds, kk) * scale
+    dkk = torch.einsum("bhnm,bnhd->bmhd", ds, q.to(f)) * scale
+    b, m, hkv = k.shape[:3]
+    return dq, dkk.reshape(b, m, hkv, g, -1).sum(3), dvv.reshape(b, m, hkv, g, -1).sum(3)

@@ -1,0 +1,41 @@
+"""Differentiable attention on torch tensors through the ``xattn::fwd`` custom op.
+
+q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` (or varlen ``[T, H, D]`` with int32
+``cu_seqlens_q/k`` and ``max_seqlen_q/k``), fp16/bf16 CUDA tensors. Causal and windows are
+bottom-right aligned (FlashAttention). ``family`` defaults by head dim: FFPA for 320-512,
+FA4 otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ops import fwd
+
+__all__ = ["attention", "attention_with_lse"]
+
+
+def _family(head_dim: int) -> str:
+    return "ffpa" if head_dim > 256 else "fa4"
+
+
+def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
+                       window_size=(None, None), cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                       family: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; out is differentiable (lse is not). See the module docstring for layouts."""
+    family = family or _family(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    left, right = window_size
+    varlen = cu_seqlens_q is not None
+    if varlen and (max_seqlen_q is None or max_seqlen_k is None):
+        raise ValueError("max_seqlen_q/max_seqlen_k: required with cu_seqlens_q/cu_seqlens_k")
+    return fwd(q, k, v, family, scale, causal, -1 if left is None else left, -1 if right is None else right,
+               cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0, max_seqlen_k or 0)
+
+
+def attention(q, k, v, **kwargs) -> torch.Tensor:
+    """Attention output only; same arguments as :func:`attention_with_lse`."""
+    return attention_with_lse(q, k, v, **kwargs)[0]

@@ -1,0 +1,116 @@
+"""torch.library custom ops over the core (namespace ``xattn``): fwd and bwd, each next to its fake
+(meta) kernel, with autograd registered, so ``torch.compile(fullgraph=True)`` traces models that
+use them without a graph break and CUDA graphs capture them.
+
+Glossary: B batch, N lengths, T packed tokens, Hq/Hkv heads, D/Dv head dims. Dense layout
+``[B, N, H, D]`` (lse ``[B, Hq, Nq]``), varlen ``[T, H, D]`` with int32 cu_seqlens (lse ``[Hq, Tq]``).
+``family`` is ``"ffpa"`` or ``"fa4"``; window sides < 0 mean unbounded. Outputs are allocated
+here with ``torch.empty`` / the fills the core documents (``KernelSpec.output_fill`` and the
+workspace ``fill``), then the core writes them on the current stream.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import xattn.core as xc
+
+__all__ = ["fwd", "bwd"]
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_FWD = {"ffpa": xc.ffpa_fwd, "fa4": xc.fa4_fwd}
+_BWD = {"ffpa": xc.ffpa_bwd, "fa4": xc.fa4_bwd}
+
+
+def _spec(direction, family, q, k, v, causal, window_left, window_right, varlen) -> xc.KernelSpec:
+    window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+    return xc.KernelSpec(family, direction, _DTYPES.get(q.dtype, str(q.dtype)), q.shape[-1], v.shape[-1],
+                         max(q.shape[-2] // max(k.shape[-2], 1), 1), causal, varlen, *window)
+
+
+def _new(shape, dtype, device, fill):
+    return torch.empty(shape, dtype=dtype, device=device) if fill is None else \
+        torch.full(shape, fill, dtype=dtype, device=device)
+
+
+def _kw(spec, family, softmax_scale, cu_q, cu_k, max_q, max_k):
+    kw = dict(softmax_scale=softmax_scale, causal=spec.causal)
+    if family == "fa4":
+        kw["window_size"] = (spec.window_left, spec.window_right)
+    if cu_q is not None:
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    return kw
+
+
+def _fwd_shapes(q, v, varlen):
+    lse = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    return (*q.shape[:-1], v.shape[-1]), lse
+
+
+@torch.library.custom_op("xattn::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: float, causal: bool,
+        window_left: int, window_right: int, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:
+    """Attention forward: returns ``(out, lse)``; see the module docstring for layouts."""
+    varlen = cu_seqlens_q is not None
+    spec = _spec("fwd", family, q, k, v, causal, window_left, window_right, varlen)
+    fills = spec.output_fill()
+    out_shape, lse_shape = _fwd_shapes(q, v, varlen)
+    out = _new(out_shape, q.dtype, q.device, fills.get("out"))
+    lse = _new(lse_shape, torch.float32, q.device, fills.get("lse"))
+    _FWD[family](q, k, v, out, lse, **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k))
+    return out, lse
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+              max_seqlen_q, max_seqlen_k):
+    out_shape, lse_shape = _fwd_shapes(q, v, cu_seqlens_q is not None)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("xattn::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, family: str,
+        softmax_scale: float, causal: bool, window_left: int, window_right: int,
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+        max_seqlen_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward from the given ``out``/``lse``: returns ``(dq, dk, dv)`` (dk/dv per kv head)."""
+    varlen = cu_seqlens_q is not None
+    spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
+    fills = spec.output_fill()
+    grads = [_new(t.shape, t.dtype, t.device, fills.get(n)) for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
+    layout = xc.bwd_workspace(family, q.shape, k.shape, head_dim_v=v.shape[-1], causal=causal,
+                              window_size=(spec.window_left, spec.window_right),
+                              num_seqs=cu_seqlens_q.shape[0] - 1 if varlen else None)
+    ws = [_new(shape, torch.float32, q.device, fill) for _, shape, _, fill in layout]
+    _BWD[family](dout, q, k, v, out, lse, *grads, workspace=ws,
+                 **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return tuple(grads)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
+              cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.params = (family, scale, causal, wl, wr, max_q, max_k)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    family, scale, causal, wl, wr, max_q, max_k = ctx.params
+    dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
