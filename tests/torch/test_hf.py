@@ -1,0 +1,162 @@
+"""attn_implementation="ffpa" on the CPU: registration, masks, routing and fallbacks, and a tiny
+random Gemma 4 against "sdpa" (the core is replaced by the fp64 reference stand-in; the GPU
+tests run the real kernels)."""
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from xattn.torch import ffpa_attention as fa  # noqa: E402
+
+from . import stubs  # noqa: E402
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    stubs.install(monkeypatch)
+    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    fa._warned.clear()
+
+
+def test_registration_is_idempotent_and_fills_both_registries():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    fa._registered = False
+    assert fa.register_ffpa_attention() is True
+    assert fa.register_ffpa_attention() is False
+    assert AttentionInterface._global_mapping["ffpa"] is fa.ffpa_attention_forward
+    assert AttentionMaskInterface._global_mapping["ffpa"] is fa.ffpa_mask
+
+
+def test_setup_checks():
+    with pytest.raises(ValueError, match="cp_size"):
+        fa.setup_ffpa_backend(0)
+    with pytest.raises(NotImplementedError, match="ring"):
+        fa.setup_ffpa_backend(2)
+    assert fa.setup_ffpa_backend(1, True) in (True, False)  # packed sequences are accepted
+
+
+def test_ffpa_mask_cases():
+    assert fa.ffpa_mask(2, 4, 4) is None
+    assert fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long)) is None
+    pad = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    m = fa.ffpa_mask(2, 4, 4, kv_offset=1, attention_mask=pad)
+    assert m is None  # offset 1: the padded slot is outside the kv range
+    m = fa.ffpa_mask(2, 5, 5, attention_mask=pad)
+    assert m.dtype == torch.bool and m.tolist() == [[False, True, True, True, True], [True] * 5]
+    four_d = torch.zeros(2, 1, 4, 4)
+    assert fa.ffpa_mask(2, 4, 4, attention_mask=four_d) is four_d
+
+
+def _hf_inputs(b=2, hq=4, hkv=2, n=6, d=512, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, n, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, hkv, n, d, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _sdpa_ref(q, k, v, mask4d, scale):
+    g = q.shape[1] // k.shape[1]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1), attn_mask=mask4d, scale=scale)
+    return o.transpose(1, 2)
+
+
+def test_dense_causal_routes_to_the_kernel(kernels):
+    q, k, v = _hf_inputs()
+    out, none = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=1.0)
+    assert none is None and out.shape == (2, 6, 4, 512) and out.is_contiguous()
+    assert ("fwd", "ffpa") in stubs.CALLS
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close(out.double(), _sdpa_ref(q, k, v, causal, 1.0), atol=2e-2, rtol=2e-2)
+
+
+def test_padding_mask_unpads_and_repads(kernels):
+    q, k, v = _hf_inputs()
+    keep = torch.tensor([[False, False, True, True, True, True], [True] * 6])  # left padding
+    out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, keep, scaling=0.05)
+    assert (out[0, :2] == 0).all()
+    mask4d = torch.ones(6, 6, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    ref = _sdpa_ref(q, k, v, mask4d, 0.05)
+    torch.testing.assert_close(out[:, 2:].double(), ref[:, 2:], atol=2e-2, rtol=2e-2)
+
+
+def test_packed_position_ids_equal_documents_alone(kernels):
+    q, k, v = _hf_inputs(b=1, n=7)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05, position_ids=pos)
+    for a, b in ((0, 3), (3, 7)):
+        alone, _ = fa.ffpa_attention_forward(_Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, scaling=0.05)
+        torch.testing.assert_close(out[:, a:b], alone, atol=1e-2, rtol=1e-2)
+
+
+def test_sliding_window_layer_uses_fa4_local(kernels):
+    q, k, v = _hf_inputs(d=256)
+    out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=1.0, sliding_window=3)
+    assert ("fwd", "fa4") in stubs.CALLS
+    i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    torch.testing.assert_close(out.double(), _sdpa_ref(q, k, v, (j <= i) & (j > i - 3), 1.0), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("reason, kw", [
+    ("dtype", dict(dtype=torch.float32)),
+    ("softcap", dict(softcap=30.0)),
+    ("scaling", dict(scaling=None)),
+    ("ffpa_unavailable", dict(d=40)),
+])
+def test_fallbacks_warn_once_per_reason(kernels, caplog, reason, kw):
+    dtype, d = kw.pop("dtype", torch.bfloat16), kw.pop("d", 512)
+    q, k, v = _hf_inputs(dtype=dtype, d=d)
+    kw.setdefault("scaling", 0.05)
+    with caplog.at_level(logging.WARNING, logger="xattn"):
+        out1, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, **kw)
+        out2, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, **kw)
+    assert caplog.text.count(f"falling back ({reason})") == 1
+    assert not any(c[0] == "fwd" for c in stubs.CALLS)
+    assert out1.shape == (2, 6, 4, d) and torch.isfinite(out1.float()).all()
+
+
+def _tiny_gemma4():
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64)
+
+
+def test_tiny_gemma4_ffpa_matches_sdpa(kernels):
+    from transformers import AutoModelForCausalLM
+
+    fa.register_ffpa_attention()
+    torch.manual_seed(0)
+    cfg = _tiny_gemma4()
+    models = {}
+    for impl in ("sdpa", "ffpa"):
+        torch.manual_seed(0)
+        models[impl] = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).to(torch.bfloat16)
+    models["ffpa"].load_state_dict(models["sdpa"].state_dict())
+    ids = torch.randint(0, 64, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    logits, grads = {}, {}
+    for impl, m in models.items():
+        out = m(input_ids=ids, attention_mask=mask)
+        out.logits.float()[mask.bool()].square().mean().backward()
+        logits[impl] = out.logits.float()[mask.bool()]
+        grads[impl] = {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+    assert any(c == ("fwd", "ffpa") for c in stubs.CALLS) and any(c == ("fwd", "fa4") for c in stubs.CALLS)
+    err = ((logits["ffpa"] - logits["sdpa"]).norm() / logits["sdpa"].norm()).item()
+    assert err < 2e-2, err
+    for n, g in grads["sdpa"].items():
+        rel = ((grads["ffpa"][n] - g).norm() / g.norm().clamp_min(1e-6)).item()
+        assert rel < 5e-2, (n, rel)
