@@ -1,8 +1,13 @@
-"""xattn.torch: the xattn kernels for PyTorch (custom ops ``torch.ops.xattn.fwd/bwd`` + autograd).
+"""xattn.torch: the xattn kernels for PyTorch.
 
-Hugging Face registration and the FA4 helpers are issue #3's next steps.
+* ``attention`` / ``attention_with_lse``: differentiable, over the ``torch.ops.xattn.fwd/bwd`` custom ops;
+* ``xattn.torch.ffpa_attention``: Hugging Face ``attn_implementation="ffpa"`` (``register_ffpa_attention``);
+* ``xattn.torch.fa4``: ``causal_fa4_attention``, ``document_causal_fa4_attention``.
 """
 
 from .attention import attention, attention_with_lse
+from .fa4 import causal_fa4_attention, document_causal_fa4_attention
+from .ffpa_attention import register_ffpa_attention, setup_ffpa_backend
 
-__all__ = ["attention", "attention_with_lse"]
+__all__ = ["attention", "attention_with_lse", "causal_fa4_attention", "document_causal_fa4_attention",
+           "register_ffpa_attention", "setup_ffpa_backend"]
