@@ -39,7 +39,7 @@ def _probe() -> tuple[tuple[GpuInfo, ...], str | None]:
     try:
         (err,) = cu.cuInit(0)
     except Exception as exc:
-        return (), f"no NVIDIA driver found ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        return (), f"no NVIDIA driver found (libcuda not loadable: {type(exc).__name__})"
     if err != cu.CUresult.CUDA_SUCCESS:
         return (), f"the CUDA driver failed to initialise ({err.name})"
     err, count = cu.cuDeviceGetCount()
