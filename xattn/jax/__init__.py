@@ -5,6 +5,7 @@ bottom-right aligned (FlashAttention) when Nq != Nk. ``backend="reference"`` run
 math in pure jnp on any device (``"auto"`` picks it off-GPU).
 """
 
+from .fa4 import causal_fa4_attention, document_causal_fa4_attention
 from .attention import fa4_bwd, fa4_fwd, ffpa_attention, ffpa_bwd, ffpa_fwd, flash_attention
 from .nn import dot_product_attention
 from .reference import attention_reference
@@ -12,4 +13,5 @@ from .varlen import packed_attention, segment_ids_to_cu_seqlens, varlen_attentio
 
 __all__ = ["ffpa_attention", "flash_attention", "dot_product_attention", "varlen_attention",
            "packed_attention", "segment_ids_to_cu_seqlens", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd",
-           "varlen_fwd", "varlen_bwd", "attention_reference"]
+           "varlen_fwd", "varlen_bwd", "attention_reference", "causal_fa4_attention",
+           "document_causal_fa4_attention"]
