@@ -1,0 +1,100 @@
+"""Turn benchmark JSON rows into the markdown table and the PNG plot (runs anywhere).
+
+    python benchmarks/report.py benchmarks/results/full_h200.json [--png benchmarks/results/full_h200.png]
+
+Adds, per row, the ratio to the native kernel of the same shape and pass (``vs_native``) and
+the share of the measured bf16 matmul peak (``pct_peak``, from the ``matmul`` row if present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+NATIVE = {512: "ffpa_attn native", 128: "flash_attn.cute native", 256: "flash_attn.cute native"}
+
+
+def _key(r):
+    return (r["head_dim"], r["heads_q"], r["heads_kv"], r["seqlen"], str(r["causal"]), r["pass"])
+
+
+def enrich(rows: list[dict]) -> list[dict]:
+    """Add ``vs_native`` and ``pct_peak`` where they apply (returns new dicts)."""
+    peak = next((r["tflops"] for r in rows if r["pass"] == "matmul" and r.get("tflops")), None)
+    native = {_key(r): r for r in rows if r["method"] == NATIVE.get(r["head_dim"]) and r.get("tflops")}
+    out = []
+    for r in rows:
+        r = dict(r)
+        nat = native.get(_key(r))
+        if r.get("tflops") and nat and r is not nat:
+            r["vs_native"] = round(r["tflops"] / nat["tflops"], 3)
+        if r.get("tflops") and peak and r["pass"] != "matmul":
+            r["pct_peak"] = round(100 * r["tflops"] / peak, 1)
+        out.append(r)
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| method | d | Hq/Hkv | N | causal | pass | ms | TFLOP/s | vs native | % peak | us/call | status |"
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        lines.append("| " + " | ".join(str(x) for x in (
+            r["method"], r["head_dim"], f"{r['heads_q']}/{r['heads_kv']}", r["seqlen"], r["causal"], r["pass"],
+            r.get("ms") if r.get("ms") is not None else "", r.get("tflops") if r.get("tflops") is not None else "",
+            r.get("vs_native", ""), r.get("pct_peak", ""), r.get("us_per_call", ""), r.get("status", "ok"))) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """TFLOP/s vs N per method, one panel per (head_dim, heads, causal, pass) group with >1 N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.get("tflops") and r["pass"] != "matmul" and not r.get("varlen"):
+            g = (r["head_dim"], r["heads_q"], r["heads_kv"], str(r["causal"]), r["pass"])
+            groups[g][r["method"]].append((r["seqlen"], r["tflops"]))
+    groups = {g: m for g, m in groups.items() if len({n for pts in m.values() for n, _ in pts}) > 1}
+    if not groups:
+        raise ValueError("nothing to plot: no group has more than one sequence length")
+    cols = min(4, len(groups))
+    rows_n = (len(groups) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.5 * cols, 3.4 * rows_n), squeeze=False)
+    for ax, (g, methods) in zip(axes.flat, sorted(groups.items())):
+        for method, pts in sorted(methods.items()):
+            pts.sort()
+            ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d{g[0]} {g[1]}/{g[2]} causal={g[3]} {g[4]}", fontsize=9)
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json")
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args(argv)
+    with open(args.json) as f:
+        rows = enrich(json.load(f))
+    md = markdown(rows)
+    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    if args.png:
+        plot(rows, args.png)
+
+
+if __name__ == "__main__":
+    main()
