@@ -70,3 +70,15 @@ def test_quick_is_a_subset_of_full(family, bufs, kw, c_checked):
         assert quick is None
     else:
         assert quick == full
+
+
+def test_memo_hits_and_misses_by_metadata():
+    args = (False, None, None, None, None, (None, None))
+    a = checks.quick_check("fa4", "fwd", _dense(), *args)
+    b = checks.quick_check("fa4", "fwd", _dense(), *args)  # new tensors, same metadata: memo hit
+    assert a is b
+    c = checks.quick_check("fa4", "fwd", _dense(M=96), *args)  # other key length: recomputed
+    assert c is not None and c[1].seqlen_k == 96 and c[0] == a[0]
+    assert checks.quick_check("fa4", "fwd", _dense(HK=3), *args) is None  # refusals are not memoised as hits
+    d = checks.quick_check("fa4", "fwd", _dense(dtype=torch.float16), *args)
+    assert d[0].dtype == "float16"

@@ -158,38 +158,59 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
         for n in (("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")):
             if _is_jax_array(buffers[n]):
                 return None
-        q_raw = buffers["q"]
+        q_raw, k_raw, v_raw = buffers["q"], buffers["k"], buffers["v"]
         q = _view(q_raw)
-        qs, ks, vs = q.shape, _shape(buffers["k"]), _shape(buffers["v"])
-        varlen = cu_seqlens_q is not None
-        rank = 3 if varlen else 4
-        if (cu_seqlens_k is not None) != varlen or len(qs) != rank or len(ks) != rank or len(vs) != rank:
-            return None
-        hq, d, hkv, dv = qs[-2], qs[-1], ks[-2], vs[-1]
-        if hkv == 0 or hq % hkv:
-            return None
-        if varlen:
-            if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or min(max_seqlen_q, max_seqlen_k) < 0:
-                return None
-            batch, nq, nk, tq, tk = _shape(cu_seqlens_q)[0] - 1, max_seqlen_q, max_seqlen_k, qs[0], ks[0]
-            if batch < 1:
-                return None
-        else:
-            batch, nq, nk = qs[0], qs[1], ks[1]
-            tq, tk = batch * nq, batch * nk
-            if ks[0] != batch:
-                return None
-        if tk == 0 and tq > 0:
-            return None
         dev = q.device
         if dev.dlpack_device_type() != _KDLCUDA:
             return None
-        spec, reason = _spec(family, direction, _dtype_name(q_raw, q), d, dv, hq // hkv, causal, varlen, *window)
-        if reason is not None:
-            return None
-        return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, dev.index)
+        varlen = cu_seqlens_q is not None
+        key = (family, direction, causal, window, type(q_raw), getattr(q_raw, "dtype", None), _shape(q_raw),
+               _shape(k_raw), _shape(v_raw), None if not varlen else _shape(cu_seqlens_q),
+               cu_seqlens_k is None, max_seqlen_q, max_seqlen_k, dev.index)
+        hit = _QUICK.get(key)
+        if hit is None:
+            hit = _quick_derive(family, direction, q_raw, q, key, causal, varlen, cu_seqlens_k is not None, window)
+            if hit is None:
+                return None
+            if len(_QUICK) > 4096:
+                _QUICK.clear()
+            _QUICK[key] = hit
+        return hit
     except Exception:  # anything unexpected: let the full check name it
         return None
+
+
+# (family, direction, causal, window, producer type/dtype, q/k/v/cu shapes, max_seqlens, device) ->
+# (spec, problem):
+# everything quick_check derives from metadata that does not change between calls of one model.
+_QUICK: dict = {}
+
+
+def _quick_derive(family, direction, q_raw, q, key, causal, varlen, has_cu_k, window):
+    qs, ks, vs, cus, max_seqlen_q, max_seqlen_k, device_index = key[6:10] + key[11:14]
+    rank = 3 if varlen else 4
+    if has_cu_k != varlen or len(qs) != rank or len(ks) != rank or len(vs) != rank:
+        return None
+    hq, d, hkv, dv = qs[-2], qs[-1], ks[-2], vs[-1]
+    if hkv == 0 or hq % hkv:
+        return None
+    if varlen:
+        if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or min(max_seqlen_q, max_seqlen_k) < 0:
+            return None
+        batch, nq, nk, tq, tk = cus[0] - 1, max_seqlen_q, max_seqlen_k, qs[0], ks[0]
+        if batch < 1:
+            return None
+    else:
+        batch, nq, nk = qs[0], qs[1], ks[1]
+        tq, tk = batch * nq, batch * nk
+        if ks[0] != batch:
+            return None
+    if tk == 0 and tq > 0:
+        return None
+    spec, reason = _spec(family, direction, _dtype_name(q_raw, q), d, dv, hq // hkv, causal, varlen, *window)
+    if reason is not None:
+        return None
+    return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, device_index)
 
 
 def check_attention(family: str, direction: str, buffers: dict, causal: bool = False,
