@@ -77,3 +77,12 @@ def test_backend_validation():
         xj.ffpa_attention(q[0], k, v)
     with pytest.raises(TypeError, match="causal"):
         xj.ffpa_attention(q, k, v, causal=1)
+
+
+def test_jax_pairing_check_is_actionable():
+    from xattn.jax._ffi import check_pairing
+
+    check_pairing("0.10.2", "0.1.3")
+    check_pairing("0.8.0", "0.1.2")
+    with pytest.raises(ImportError, match=r"jax >= 0.9.1.*jax-tvm-ffi==0.1.2"):
+        check_pairing("0.8.0", "0.1.3")

@@ -5,11 +5,21 @@ bottom-right aligned (FlashAttention) when Nq != Nk. ``backend="reference"`` run
 math in pure jnp on any device (``"auto"`` picks it off-GPU).
 """
 
-from .fa4 import causal_fa4_attention, document_causal_fa4_attention
-from .attention import fa4_bwd, fa4_fwd, ffpa_attention, ffpa_bwd, ffpa_fwd, flash_attention
-from .nn import dot_product_attention
-from .reference import attention_reference
-from .varlen import packed_attention, segment_ids_to_cu_seqlens, varlen_attention, varlen_bwd, varlen_fwd
+from ._ffi import check_pairing
+
+check_pairing()  # an actionable ImportError now beats an opaque XLA FFI failure later
+
+from .attention import fa4_bwd, fa4_fwd, ffpa_attention, ffpa_bwd, ffpa_fwd, flash_attention  # noqa: E402
+from .fa4 import causal_fa4_attention, document_causal_fa4_attention  # noqa: E402
+from .nn import dot_product_attention  # noqa: E402
+from .reference import attention_reference  # noqa: E402
+from .varlen import (  # noqa: E402
+    packed_attention,
+    segment_ids_to_cu_seqlens,
+    varlen_attention,
+    varlen_bwd,
+    varlen_fwd,
+)
 
 __all__ = ["ffpa_attention", "flash_attention", "dot_product_attention", "varlen_attention",
            "packed_attention", "segment_ids_to_cu_seqlens", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd",

@@ -24,22 +24,38 @@ import numpy as np
 
 from xattn.core.spec import KernelSpec
 
-__all__ = ["call", "set_launcher_provider", "registered_targets"]
+__all__ = ["call", "set_launcher_provider", "registered_targets", "check_pairing"]
 
 _lock = threading.Lock()
 _registered: dict[str, object] = {}  # target name -> function (kept alive)
 _provider: Callable[[KernelSpec], tuple[object, str]] | None = None
 
 
-def _check_pairing():
-    try:
-        import jax_tvm_ffi
-    except ImportError as exc:
-        raise ImportError("xattn.jax needs jax-tvm-ffi: pip install jax-tvm-ffi==0.1.3") from exc
-    ffi_version = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
-    if ffi_version < (0, 9, 1):
-        raise ImportError(f"jax-tvm-ffi 0.1.3 needs jax >= 0.9.1 (XLA FFI API 0.3); found jax {jax.__version__}. "
-                          "Upgrade jax, or install jax-tvm-ffi==0.1.2 for older jax.")
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("+")[0].split(".")[:3] if p.isdigit())
+
+
+def check_pairing(jax_version: str | None = None, ffi_version: str | None = None) -> None:
+    """Raise ``ImportError`` with the fix when jax and jax-tvm-ffi cannot work together.
+
+    jax-tvm-ffi 0.1.3 speaks XLA FFI API 0.3, which needs jax >= 0.9.1; 0.1.2 works with older jax.
+    """
+    from importlib import metadata
+
+    if ffi_version is None:
+        try:
+            ffi_version = metadata.version("jax-tvm-ffi")
+        except metadata.PackageNotFoundError:
+            raise ImportError("xattn.jax needs jax-tvm-ffi: pip install jax-tvm-ffi==0.1.3") from None
+    jax_version = jax_version or jax.__version__
+    if _version(ffi_version) >= (0, 1, 3) and _version(jax_version) < (0, 9, 1):
+        raise ImportError(f"jax-tvm-ffi {ffi_version} needs jax >= 0.9.1 (XLA FFI API 0.3), found jax {jax_version}: "
+                          "pip install -U 'jax>=0.9.1', or pip install jax-tvm-ffi==0.1.2 for this jax")
+
+
+def _jax_tvm_ffi():
+    import jax_tvm_ffi
+
     return jax_tvm_ffi
 
 
@@ -70,7 +86,7 @@ def _target(spec: KernelSpec, aliased: bool) -> str:
         return name
     with _lock:
         if name not in _registered:
-            jax_tvm_ffi = _check_pairing()
+            jax_tvm_ffi = _jax_tvm_ffi()
             arg_spec = ["args", "attrs.softmax_scale"] if aliased else ["args", "rets", "attrs.softmax_scale"]
             jax_tvm_ffi.register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
                                             pass_owned_tensor=platform == "cpu")
