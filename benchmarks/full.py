@@ -95,18 +95,11 @@ def time_torch(fn) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def host_ms(fn, n=300) -> float:
-    """Wall time per call of an enqueue loop, synchronised at the end (tiny kernels included)."""
-    import torch
+def host_ms(fn) -> float:
+    """Wall time per call of an enqueue loop (the core suite's measure), in ms."""
+    from benchmarks.bench import host_us_per_call
 
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
+    return host_us_per_call(fn) / 1e3
 
 
 def time_jax(fn, *args) -> float:
