@@ -21,6 +21,7 @@ Never assumes 1/sqrt(d) (Gemma 4 uses ``scaling=1.0``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -47,8 +48,9 @@ def _fallback_once(reason: str, detail: str) -> None:
         log.warning("xattn ffpa: falling back (%s): %s", reason, detail)
 
 
+@functools.cache
 def kernels_available() -> str | None:
-    """``None`` when the sm90 kernels can run here, else why not."""
+    """``None`` when the sm90 kernels can run here, else why not (probed once per process)."""
     from xattn.core.info import collect
 
     fams = collect()["families"]
