@@ -98,3 +98,22 @@ def test_flax_nnx_block_trains():
         return loss
     losses = [float(step(model, opt, x, y)) for _ in range(8)]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_remat_and_shard_map_on_gpu():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    q, k, v = _qkv(6, (2, 256, 8, 512), (2, 256, 2, 512))
+    policy = jax.checkpoint_policies.save_only_these_names("xattn_out", "xattn_lse")
+    f = lambda q, k, v: (xj.ffpa_attention(q, k, v, causal=True, backend="kernel").astype(jnp.float32) ** 2).sum()  # noqa: E731
+    plain = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+    remat = jax.jit(jax.grad(jax.checkpoint(f, policy=policy), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(plain, remat):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+    body = lambda q, k, v: xj.ffpa_attention(q, k, v, causal=True, backend="kernel")  # noqa: E731
+    sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("x")))  # noqa: E731
+    g = jax.jit(jax.grad(lambda q, k, v: (sharded(q, k, v).astype(jnp.float32) ** 2).sum(), argnums=(0, 1, 2)))
+    for a, b in zip(g(put(q), put(k), put(v)), plain):
+        assert _rel(a, b) < 1e-6
