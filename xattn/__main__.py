@@ -8,6 +8,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m xattn`` / the ``xattn`` script; returns the exit code."""
     parser = argparse.ArgumentParser(prog="xattn", description="Hopper attention for PyTorch and JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, GPU found, which kernel families run or compile here")

@@ -82,6 +82,7 @@ def _gpu_demo() -> None:
 
 
 def main() -> None:
+    """Print ``info``, then run the kernels (GPU) or compile them for sm_90a (CPU)."""
     data = collect()
     print(report(data), flush=True)
     if all(st["can_run"] for st in data["families"].values()):

@@ -19,6 +19,8 @@ SM90_NUM_SMS = 132  # H100/H200 SXM; only used when compiling without a GPU
 
 @dataclass(frozen=True)
 class GpuInfo:
+    """One CUDA device as the driver reports it (index, name, compute capability, SM count)."""
+
     index: int
     name: str
     capability: tuple[int, int]

@@ -44,6 +44,7 @@ _LAUNCHER_SOURCES = ("symbolic.py", "ffpa_sm90.py", "fa4_sm90.py", "disk_cache.p
 
 
 def enabled() -> bool:
+    """False when ``XATTN_CACHE=0``."""
     return os.environ.get("XATTN_CACHE", "1") != "0"
 
 

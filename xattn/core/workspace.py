@@ -16,6 +16,7 @@ _FFPA_BWD_TILE_M = 64
 
 
 def ffpa_bwd_tile_m() -> int:
+    """Query-row tile of the FFPA sm90 backward (rows of its workspace are padded to it)."""
     return _FFPA_BWD_TILE_M
 
 

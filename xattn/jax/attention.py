@@ -63,6 +63,7 @@ class Config:
 
 
 def resolve_backend(backend: str) -> str:
+    """``"auto"`` -> ``"kernel"`` on GPU, ``"reference"`` elsewhere; validates the name."""
     if backend not in ("auto", "kernel", "reference"):
         raise ValueError(f"backend: expected 'auto', 'kernel' or 'reference', got {backend!r}")
     if backend == "auto":
@@ -71,6 +72,7 @@ def resolve_backend(backend: str) -> str:
 
 
 def check_dense(q, k, v) -> None:
+    """Rank and shape agreement of dense q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]``."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v: expected rank 4 [B, N, H, D], got {q.shape}, {k.shape}, {v.shape}")
     if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:

@@ -28,6 +28,8 @@ __all__ = ["varlen_attention", "varlen_fwd", "varlen_bwd", "segment_ids_to_cu_se
 
 @dataclass(frozen=True)
 class VarlenConfig:
+    """Static options of a varlen call: the dense :class:`Config` plus the static max lengths."""
+
     base: Config
     max_seqlen_q: int
     max_seqlen_k: int
