@@ -5,7 +5,7 @@
 #   tests-core   the core kernel tests only                                        ~5.5 min cold cache
 #   bench        core suite + cold/warm start -> $OUT/results/{core,cold_start}_h200.json
 #   full-PART    benchmarks/full.py --part PART (d512, small, sliding, varlen, host, peak), appended
-#                to $OUT/results/full_h200.json (copy the previous file into $OUT first to continue it)
+#                to $OUT/results/full_h200.json, continuing benchmarks/results/full_h200.json if committed
 set -uo pipefail
 OUT=${OUT:-/tmp/xattn-out}
 mkdir -p "$OUT/results"
@@ -19,7 +19,8 @@ case "$step" in
     timeout 240 python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tail -30 ;;
   full-*)
     part=${step#full-}
-    [ -f results_full_h200.json ] && cp results_full_h200.json "$OUT/results/full_h200.json"
+    # continue the committed file, so parts from several calls end in one JSON
+    [ -f benchmarks/results/full_h200.json ] && cp benchmarks/results/full_h200.json "$OUT/results/full_h200.json"
     timeout 570 python benchmarks/full.py --part "$part" --append --out "$OUT/results/full_h200.json" 2>&1 | tail -40 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
