@@ -13,7 +13,9 @@ def test_info_reports_versions_gpu_and_families():
     text = _run("info")
     assert "ffpa-attn 0.2.4" in text and "flash-attn-4 4.0.0b36" in text
     assert "ffpa  run here:" in text and "fa4   run here:" in text
+    assert "kernel disk cache:" in text
     data = json.loads(_run("info", "--json"))
+    assert set(data["disk_cache"]) == {"enabled", "path", "entries"}
     assert set(data["families"]) == {"ffpa", "fa4"}
     for fam in data["families"].values():
         assert fam["can_run"] == (fam["why_not_run"] is None)

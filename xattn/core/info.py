@@ -55,7 +55,15 @@ def collect() -> dict:
         "no_gpu_reason": no_gpu_reason(),
         "target_arch": target_arch(),
         "families": families,
+        "disk_cache": _cache_state(),
     }
+
+
+def _cache_state() -> dict:
+    from . import disk_cache
+
+    return {"enabled": disk_cache.enabled(), "path": str(disk_cache.cache_dir()),
+            "entries": len(disk_cache.entries()) if disk_cache.enabled() else 0}
 
 
 def report(data: dict | None = None) -> str:
@@ -68,6 +76,9 @@ def report(data: dict | None = None) -> str:
     else:
         lines.append(f"GPU: none ({d['no_gpu_reason']})")
     lines.append(f"CuTeDSL target arch: {d['target_arch']}")
+    c = d["disk_cache"]
+    lines.append(f"kernel disk cache: {c['path']} ({c['entries']} entries)" if c["enabled"]
+                 else "kernel disk cache: off (XATTN_CACHE=0)")
     for fam, st in d["families"].items():
         run = "yes" if st["can_run"] else f"no - {st['why_not_run']}"
         comp = "yes" if st["can_compile"] else f"no - {st['why_not_compile']}"
