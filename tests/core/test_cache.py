@@ -60,3 +60,12 @@ def test_unsupported_spec_never_reaches_the_compiler(recording_compiler):
     with pytest.raises(NotImplementedError, match="320-512"):
         cache.get_launcher(KernelSpec("ffpa", "fwd", "bfloat16", 128, 128))
     assert recording_compiler == []
+
+
+def test_a_non_hopper_gpu_is_refused_before_any_compile(recording_compiler, monkeypatch):
+    from xattn.core.device import GpuInfo
+
+    monkeypatch.setattr(cache, "cuda_gpus", lambda: (GpuInfo(0, "NVIDIA B200", (10, 0), 148),))
+    with pytest.raises(NotImplementedError, match=r"ships sm_90a kernels; this machine has NVIDIA B200 \(sm_100a\)"):
+        cache.get_launcher(_spec())
+    assert recording_compiler == []

@@ -2,8 +2,9 @@
 
 Two threads asking for the same key compile it once (a per-key lock); different keys
 compile in parallel. Behind the in-memory cache sits the disk cache
-(:mod:`xattn.core.disk_cache`): later processes load instead of compiling. The cache keeps the compiled CuTeDSL object alive (it owns the
-loaded module) next to the raw positional ``tvm_ffi.Function`` used for launches.
+(:mod:`xattn.core.disk_cache`): later processes load instead of compiling. The cache keeps
+the compiled CuTeDSL object (or loaded module) alive next to the raw positional
+``tvm_ffi.Function`` used for launches.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import disk_cache
-from .device import prepare_dsl_environment
+from .device import cuda_gpus, prepare_dsl_environment
 from .spec import KernelSpec, supports
 
 __all__ = ["Launcher", "get_launcher", "cached_specs", "clear", "set_compiler"]
@@ -80,8 +81,16 @@ def get_launcher(spec: KernelSpec) -> Launcher:
         return entry
 
 
+def _check_gpu_arch(spec: KernelSpec) -> None:
+    gpus = cuda_gpus()
+    if gpus and not any(g.arch == spec.arch for g in gpus):
+        found = ", ".join(f"{g.name} ({g.arch})" for g in gpus)
+        raise NotImplementedError(f"{spec.short_name()}: xattn ships {spec.arch} kernels; this machine has {found}")
+
+
 def _prepare(spec: KernelSpec) -> Launcher:
     """Load ``spec`` from the disk cache, or compile (once across processes) and store it."""
+    _check_gpu_arch(spec)
     t0 = time.perf_counter()
     use_disk = disk_cache.enabled() and _compiler is None
     if use_disk:
