@@ -30,7 +30,7 @@ def test_full_plan_covers_the_issue():
     assert full.flops(1, 1, 4, 4, 1, False, "fwd", window=2) == 4 * (1 + 2 + 2 + 2)
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "full.py"), "--part", "sliding", "--dry-run"],
                          capture_output=True, text=True, check=True).stdout
-    assert "4 rows in part sliding" in out
+    assert "5 rows in part sliding" in out and "matmul" in out  # + the same-run peak
 
 
 def _rows():
