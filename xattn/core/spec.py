@@ -17,7 +17,7 @@ import hashlib
 from dataclasses import dataclass, field
 from importlib import metadata
 
-__all__ = ["KernelSpec", "supports", "library_versions", "FAMILIES", "DTYPES"]
+__all__ = ["KernelSpec", "supports", "family_for", "library_versions", "FAMILIES", "DTYPES"]
 
 FAMILIES = ("ffpa", "fa4")
 DIRECTIONS = ("fwd", "bwd")
@@ -165,4 +165,14 @@ def _fa4_reason(spec: KernelSpec) -> str | None:
         w = getattr(spec, name)
         if w is not None and (not isinstance(w, int) or w < 0):
             return f"{name} must be a non-negative int or None, got {w!r}"
+    return None
+
+
+def family_for(head_dim: int, head_dim_v: int | None = None, sliding: bool = False) -> str | None:
+    """The kernel family that serves these head dims (FFPA first, FA4 for sliding windows), or None."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if not sliding and _ffpa_reason(KernelSpec("ffpa", "fwd", "bfloat16", head_dim, dv)) is None:
+        return "ffpa"
+    if (head_dim, dv) in FA4_HEAD_DIMS:
+        return "fa4"
     return None

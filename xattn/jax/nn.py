@@ -12,7 +12,7 @@ import math
 
 import jax.numpy as jnp
 
-from xattn.core.spec import FA4_HEAD_DIMS, FFPA_HEAD_DIM_MULTIPLE, FFPA_MAX_HEAD_DIM, FFPA_MIN_HEAD_DIM
+from xattn.core.spec import FA4_HEAD_DIMS, family_for
 
 from .attention import flash_attention, ffpa_attention, resolve_backend
 from .reference import attention_reference
@@ -21,10 +21,9 @@ __all__ = ["dot_product_attention"]
 
 
 def _family(d: int, dv: int) -> str:
-    if d == dv and FFPA_MIN_HEAD_DIM <= d <= FFPA_MAX_HEAD_DIM and d % FFPA_HEAD_DIM_MULTIPLE == 0:
-        return "ffpa"
-    if (d, dv) in FA4_HEAD_DIMS:
-        return "fa4"
+    family = family_for(d, dv)
+    if family is not None:
+        return family
     raise NotImplementedError(f"head dims {d}/{dv}: no xattn kernel (FFPA: 320-512 step 16; FA4: "
                               f"{', '.join(f'{a}/{b}' for a, b in FA4_HEAD_DIMS)}); pass backend='reference'")
 

@@ -2,8 +2,8 @@
 
 q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` (or varlen ``[T, H, D]`` with int32
 ``cu_seqlens_q/k`` and ``max_seqlen_q/k``), fp16/bf16 CUDA tensors. Causal and windows are
-bottom-right aligned (FlashAttention). ``family`` defaults by head dim: FFPA for 320-512,
-FA4 otherwise.
+bottom-right aligned (FlashAttention). ``family`` defaults by head dim
+(:func:`xattn.core.spec.family_for`); unsupported dims get the core's NotImplementedError.
 """
 
 from __future__ import annotations
@@ -12,13 +12,17 @@ import math
 
 import torch
 
+from xattn.core.spec import family_for
+
 from .ops import fwd
 
-__all__ = ["attention", "attention_with_lse"]
+__all__ = ["attention", "attention_with_lse", "default_family"]
 
 
-def _family(head_dim: int) -> str:
-    return "ffpa" if head_dim > 256 else "fa4"
+def default_family(head_dim: int, head_dim_v: int | None = None) -> str:
+    """The family serving these head dims; for unsupported ones the family whose range is
+    closest, so the core raises its NotImplementedError with the supported dims."""
+    return family_for(head_dim, head_dim_v) or ("ffpa" if head_dim > 256 else "fa4")
 
 
 def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
@@ -26,7 +30,7 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                        family: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; out is differentiable (lse is not). See the module docstring for layouts."""
-    family = family or _family(q.shape[-1])
+    family = family or default_family(q.shape[-1], v.shape[-1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     left, right = window_size
     varlen = cu_seqlens_q is not None

@@ -27,9 +27,9 @@ import os
 
 import torch
 
-from xattn.core.spec import FA4_HEAD_DIMS, KernelSpec, supports
+from xattn.core.spec import family_for
 
-from .attention import attention, attention_with_lse
+from .attention import attention, attention_with_lse, default_family
 from .ops import bwd as _bwd_op
 
 __all__ = ["register_ffpa_attention", "setup_ffpa_backend", "ffpa_attention_forward", "ffpa_mask",
@@ -101,14 +101,6 @@ def setup_ffpa_backend(cp_size: int = 1, has_packed_sequence: bool = False) -> b
 
 # --- routing --------------------------------------------------------------------------------
 
-def _kernel_family(d: int, dv: int, sliding: bool) -> str | None:
-    if not sliding and supports(KernelSpec("ffpa", "fwd", "bfloat16", d, dv)) is None:
-        return "ffpa"
-    if (d, dv) in FA4_HEAD_DIMS:
-        return "fa4"
-    return None
-
-
 def _fallback_reason(module, query, value, dropout, scaling, softcap, sliding) -> tuple[str, str] | None:
     if query.dtype not in _DTYPES:
         return "dtype", f"{query.dtype} is not float16/bfloat16"
@@ -118,7 +110,7 @@ def _fallback_reason(module, query, value, dropout, scaling, softcap, sliding) -
         return "dropout", f"attention dropout {dropout} while training"
     if scaling is None:
         return "scaling", "no explicit scaling given (never assumed 1/sqrt(d))"
-    if _kernel_family(query.shape[-1], value.shape[-1], sliding) is None:
+    if family_for(query.shape[-1], value.shape[-1], sliding) is None:
         return "ffpa_unavailable", f"no kernel for head dims {query.shape[-1]}/{value.shape[-1]}"
     why = kernels_available()
     if why is not None:
@@ -158,7 +150,7 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
     if reason is not None:
         _fallback_once(*reason)
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, softcap, causal, sliding)
-    family = _kernel_family(query.shape[-1], value.shape[-1], sliding is not None)
+    family = family_for(query.shape[-1], value.shape[-1], sliding is not None)
     window = (sliding - 1, 0) if sliding is not None else (None, None)
     causal = causal and sliding is None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, N, H, D] views, no copy
@@ -246,21 +238,17 @@ def _flex(module, query, key, value, attention_mask, scaling, softcap, kwargs):
 
 # --- low level (SDPA layout), building blocks of ring attention -------------------------------
 
-def _family(d):
-    return "ffpa" if d > 256 else "fa4"
-
-
 def _ffpa_dense_fwd(query, key, value, scaling: float, causal: bool = True):
     """query ``[B, Hq, N, D]``, key/value ``[B, Hkv, Nk, D]`` -> ``(out [B, Hq, N, D], lse [B, Hq, N] fp32)``."""
     out, lse = attention_with_lse(*(t.transpose(1, 2) for t in (query, key, value)), softmax_scale=scaling,
-                                  causal=causal, family=_family(query.shape[-1]))
+                                  causal=causal, family=default_family(query.shape[-1]))
     return out.transpose(1, 2), lse
 
 
 def _ffpa_dense_bwd(dout, query, key, value, out, lse, scaling: float, causal: bool = True):
     """Gradients from the caller's ``out``/``lse`` (SDPA layout); dk/dv are reduced to Hkv heads."""
     t = [x.transpose(1, 2) for x in (dout, query, key, value, out)]
-    dq, dk, dv = _bwd_op(t[0].contiguous(), t[1], t[2], t[3], t[4], lse, _family(query.shape[-1]), float(scaling),
+    dq, dk, dv = _bwd_op(t[0].contiguous(), t[1], t[2], t[3], t[4], lse, default_family(query.shape[-1]), float(scaling),
                          causal, -1, -1, None, None, 0, 0)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -270,11 +258,11 @@ def _ffpa_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     """Packed THD: ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
     return attention_with_lse(q, k, v, softmax_scale=scaling, causal=causal, cu_seqlens_q=cu_seqlens_q,
                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                              family=_family(q.shape[-1]))
+                              family=default_family(q.shape[-1]))
 
 
 def _ffpa_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      scaling: float, causal: bool = True):
     """Packed THD gradients from the caller's ``out``/``lse``."""
-    return _bwd_op(dout.contiguous(), q, k, v, out, lse, _family(q.shape[-1]), float(scaling), causal, -1, -1,
+    return _bwd_op(dout.contiguous(), q, k, v, out, lse, default_family(q.shape[-1]), float(scaling), causal, -1, -1,
                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
