@@ -142,11 +142,15 @@ def supports(spec: KernelSpec) -> str | None:
     return _fa4_reason(spec)
 
 
+def _ffpa_head_dims_ok(d: int, dv: int) -> bool:
+    return d == dv and FFPA_MIN_HEAD_DIM <= d <= FFPA_MAX_HEAD_DIM and d % FFPA_HEAD_DIM_MULTIPLE == 0
+
+
 def _ffpa_reason(spec: KernelSpec) -> str | None:
     d, dv = spec.head_dim, spec.head_dim_v
     if d != dv:
         return f"FFPA needs q/k and v head dims equal, got {d} and {dv}"
-    if not FFPA_MIN_HEAD_DIM <= d <= FFPA_MAX_HEAD_DIM or d % FFPA_HEAD_DIM_MULTIPLE:
+    if not _ffpa_head_dims_ok(d, dv):
         return (f"FFPA supports head_dim {FFPA_MIN_HEAD_DIM}-{FFPA_MAX_HEAD_DIM} in steps of "
                 f"{FFPA_HEAD_DIM_MULTIPLE}, got {d}")
     if spec.is_local:
@@ -171,7 +175,7 @@ def _fa4_reason(spec: KernelSpec) -> str | None:
 def family_for(head_dim: int, head_dim_v: int | None = None, sliding: bool = False) -> str | None:
     """The kernel family that serves these head dims (FFPA first, FA4 for sliding windows), or None."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    if not sliding and _ffpa_reason(KernelSpec("ffpa", "fwd", "bfloat16", head_dim, dv)) is None:
+    if not sliding and _ffpa_head_dims_ok(head_dim, dv):
         return "ffpa"
     if (head_dim, dv) in FA4_HEAD_DIMS:
         return "fa4"
