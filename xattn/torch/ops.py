@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 import xattn.core as xc
+from xattn.core.workspace import bwd_workspace_shapes
 
 __all__ = ["fwd", "bwd"]
 
@@ -83,9 +84,11 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
     fills = spec.output_fill()
     grads = [_new(t.shape, t.dtype, t.device, fills.get(n)) for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
-    layout = xc.bwd_workspace(family, q.shape, k.shape, head_dim_v=v.shape[-1], causal=causal,
-                              window_size=(spec.window_left, spec.window_right),
-                              num_seqs=cu_seqlens_q.shape[0] - 1 if varlen else None)
+    if varlen:
+        sizes = (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    else:
+        sizes = (q.shape[0], q.shape[1], k.shape[1], q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
+    layout = bwd_workspace_shapes(spec, *sizes, q.shape[-2], k.shape[-2])
     ws = [_new(shape, torch.float32, q.device, fill) for _, shape, _, fill in layout]
     _BWD[family](dout, q, k, v, out, lse, *grads, workspace=ws,
                  **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
