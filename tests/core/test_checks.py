@@ -98,7 +98,6 @@ def test_sdpa_layout_view_is_accepted_up_to_the_device_check():
 @pytest.mark.parametrize("scale, exc", [(None, TypeError), (math.nan, ValueError), (-1.0, ValueError),
                                         (True, TypeError), ("0.1", TypeError)])
 def test_bad_softmax_scale(scale, exc):
-    b = dense()
     with raises(exc, "softmax_scale"):
         xc.checks._check_scale(scale)
 

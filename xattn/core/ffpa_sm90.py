@@ -24,7 +24,6 @@ prepare_dsl_environment()  # before cutlass reads its environment (CPU-only mach
 
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
-from quack.compile_utils import make_fake_tensor
 
 from ffpa_attn.cute._bwd_preprocess import FFPAAttnBwdPreprocess
 from ffpa_attn.cute._dkdv_d384_sm90 import FFPAAttnBwdDKDVSm90SplitDD384
