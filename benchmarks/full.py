@@ -27,6 +27,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
+SLOW_MS = 1500.0  # a method slower than this per call is not run at twice the N (4x the work; its row says so)
 D512_HEADS = ((32, 4), (16, 16))  # Gemma 4 global layers; MHA
 SMALL = ((128, 16, 16), (256, 32, 16))  # (head_dim, Hq, Hkv)
 
@@ -275,6 +276,10 @@ def run_row(method, d, hq, hkv, n, causal, pass_, device):
     return row
 
 
+def _key(r):
+    return (r["method"], r["head_dim"], r["heads_q"], r["heads_kv"], r["seqlen"], r["causal"], r["pass"])
+
+
 def _free():
     import gc
 
@@ -318,8 +323,21 @@ def main(argv=None):
     if args.append and os.path.exists(args.out):
         with open(args.out) as f:
             done = json.load(f)
+    measured = {_key(r) for r in done if r.get("status") == "ok" and r["pass"] != "matmul"}
+    slow = {}  # series -> ms of its last N; a series past SLOW_MS skips its larger N (4x the work each)
     for i, spec in enumerate(rows, 1):
-        row = run_row(*spec, device)
+        method, d, hq, hkv, n, causal, pass_ = spec
+        if pass_ != "matmul" and (method, d, hq, hkv, n, causal, pass_) in measured:
+            continue  # resumed run: already measured by an earlier call
+        series = (method, d, hq, hkv, causal, pass_)
+        if slow.get(series, 0) > SLOW_MS:
+            row = dict(method=method, head_dim=d, causal=causal, batch=1, heads_q=hq, heads_kv=hkv, seqlen=n,
+                       dtype="bfloat16", varlen="varlen" in method, **{"pass": pass_}, ms=None, tflops=None,
+                       device=device, status=f"skipped: N={n // 2} took {slow[series] / 1e3:.1f} s per call")
+        else:
+            row = run_row(*spec, device)
+            if row["ms"] is not None:
+                slow[series] = row["ms"]
         row.update(versions=versions, date=time.strftime("%Y-%m-%d"))
         done.append(row)
         print(f"[{i}/{len(rows)}] {row['method']:28s} d{row['head_dim']} {row['heads_q']}/{row['heads_kv']} "

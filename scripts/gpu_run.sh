@@ -1,26 +1,42 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work, logs and results under $OUT (the device tool's folder).
-# Use through the kit: bash .gpu/b/stage2.sh bash scripts/gpu_run.sh STEP
-#   tests        all @pytest.mark.gpu tests (core, torch, jax, cold start)       ~8-10 min cold cache
-#   tests-core   the core kernel tests only                                        ~5.5 min cold cache
-#   bench        core suite + cold/warm start -> $OUT/results/{core,cold_start}_h200.json
-#   full-PART    benchmarks/full.py --part PART (d512, small, sliding, varlen, host, peak), appended
-#                to $OUT/results/full_h200.json, continuing benchmarks/results/full_h200.json if committed
+# GPU work for one device call; logs and results under $OUT (the device tool's folder).
+# Use through the kit: bash .gpu/b/stage2.sh bash scripts/gpu_run.sh STEP [STEP ...]
+#   tests        all @pytest.mark.gpu tests (core, torch, jax, cold start)
+#   tests-core   the core kernel tests only
+#   bench        core suite -> $OUT/results/core_h200.json
+#   cold         cold vs warm start -> $OUT/results/cold_start_h200.json
+#   full-PART    benchmarks/full.py --part PART (d512, small, sliding, varlen, host, peak), appended to
+#                $OUT/results/full_h200.json, continuing benchmarks/results/full_h200.json if committed
+# Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S).
+# A kernel cache filled on the CPU machine (scripts/prefill_gpu_cache.py -> .gpu/kc, carried)
+# is unpacked into $XATTN_CACHE_DIR first.
 set -uo pipefail
 OUT=${OUT:-/tmp/xattn-out}
+BUDGET_S=${BUDGET_S:-575}
 mkdir -p "$OUT/results"
-step=${1:?usage: gpu_run.sh tests|tests-core|bench|full-PART}
-python -c "from xattn.core.info import report; print(report())" | tee "$OUT/info.txt"
-case "$step" in
-  tests) timeout 570 python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-  tests-core) timeout 570 python -m pytest -m gpu -q -p no:cacheprovider tests/core 2>&1 | tee "$OUT/gpu_tests_core.log" | tail -25 ;;
-  bench)
-    timeout 300 python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee "$OUT/bench.log" | tail -30
-    timeout 240 python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tail -30 ;;
-  full-*)
-    part=${step#full-}
-    # continue the committed file, so parts from several calls end in one JSON
-    [ -f benchmarks/results/full_h200.json ] && cp benchmarks/results/full_h200.json "$OUT/results/full_h200.json"
-    timeout 570 python benchmarks/full.py --part "$part" --append --out "$OUT/results/full_h200.json" 2>&1 | tail -40 ;;
-  *) echo "unknown step $step" >&2; exit 2 ;;
-esac
+[ $# -gt 0 ] || { echo "usage: gpu_run.sh STEP [STEP ...]" >&2; exit 2; }
+if [ -f .gpu/kc/kernels.tar.xz ] && [ -n "${XATTN_CACHE_DIR:-}" ] && [ ! -f "$XATTN_CACHE_DIR/.prefilled" ]; then
+  mkdir -p "$XATTN_CACHE_DIR" && tar xJf .gpu/kc/kernels.tar.xz -C "$XATTN_CACHE_DIR" && touch "$XATTN_CACHE_DIR/.prefilled"
+  echo "gpu_run: unpacked $(ls "$XATTN_CACHE_DIR"/*.o | wc -l) prefilled kernel-cache entries"
+fi
+python -c "import sys; from xattn.core.info import report; print(sys.version.split()[0]); print(report())" | tee "$OUT/info.txt"
+[ -f benchmarks/results/full_h200.json ] && [ ! -f "$OUT/results/full_h200.json" ] \
+  && cp benchmarks/results/full_h200.json "$OUT/results/full_h200.json"
+left() { echo $(( BUDGET_S - SECONDS )); }
+for step in "$@"; do
+  t=$(left)
+  if [ "$t" -lt 20 ]; then echo "gpu_run: no time left for $step" | tee -a "$OUT/skipped.txt"; continue; fi
+  echo "=== $step (${t} s left) ==="
+  case "$step" in
+    tests) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    tests-core) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider tests/core 2>&1 | tee "$OUT/gpu_tests_core.log" | tail -25 ;;
+    tests-*) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee "$OUT/gpu_$step.log" | tail -30 ;;
+    bench) timeout "$t" python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee "$OUT/cold.log" | tail -20 ;;
+    full-*) timeout "$t" python benchmarks/full.py --part "${step#full-}" --append --out "$OUT/results/full_h200.json" \
+              2>&1 | tee "$OUT/full_${step#full-}.log" | tail -12 ;;
+    *) echo "unknown step $step" >&2 ;;
+  esac
+done
+python -m xattn cache list > "$OUT/cache_list.txt" 2>&1
+echo "gpu_run: done in ${SECONDS} s"

@@ -1,0 +1,99 @@
+"""Compile, on this CPU machine, the launchers that the GPU tests and benchmarks use, and pack
+the disk-cache entries into ``.gpu/kc/kernels.tar.xz`` (git-ignored) for the device call.
+
+Device minutes are scarce; compiling ~130 launchers there costs most of a call. The GPU
+machine loads these entries exactly as a cluster loads a cache filled on a login node
+(``python -m xattn warmup --arch sm_90a``), which is itself a feature under test. Launchers
+not listed here are simply compiled on the GPU.
+
+    python scripts/prefill_gpu_cache.py [--jobs 2] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def specs():
+    """Every launcher spec the GPU tests and ``benchmarks/`` ask for (a superset is harmless)."""
+    from xattn.core.spec import KernelSpec, supports
+
+    out = []
+
+    def add(family, d, dv, g, causal=False, varlen=False, window=(None, None), dtype="bfloat16",
+            directions=("fwd", "bwd")):
+        for direction in directions:
+            out.append(KernelSpec(family, direction, dtype, d, dv, g, causal, varlen, *window))
+
+    for g in (1, 2, 4, 8):
+        for causal in (False, True):
+            for varlen in (False, True):
+                add("ffpa", 512, 512, g, causal, varlen)
+    add("ffpa", 512, 512, 2, True, dtype="float16", directions=("fwd",))
+    for d, dtype in ((320, "bfloat16"), (384, "float16"), (448, "bfloat16")):
+        for causal in (False, True):
+            add("ffpa", d, d, 2, causal, dtype=dtype)
+    for causal in (False, True):
+        for varlen in (False, True):
+            add("ffpa", 384, 384, 1, causal, varlen)
+    for (d, dv), gs in (((64, 64), (1, 4)), ((96, 96), (1, 2)), ((128, 128), (1, 2, 4)), ((192, 128), (1,)),
+                        ((256, 256), (1, 2))):
+        for g in gs:
+            add("fa4", d, dv, g, False)
+            add("fa4", d, dv, g, True)
+            add("fa4", d, dv, g, False, window=(100, 0))
+    for d, dv, g in ((128, 128, 4), (128, 128, 1), (192, 128, 1), (256, 256, 2)):
+        for causal in (False, True):
+            add("fa4", d, dv, g, causal, varlen=True)
+    add("fa4", 256, 256, 2, False, window=(1023, 0))
+    add("fa4", 128, 128, 2, True, dtype="float16", directions=("fwd",))
+    seen, unique = set(), []
+    for s in out:
+        if s not in seen and supports(s) is None:
+            seen.add(s)
+            unique.append(s)
+    return unique
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "i/n": build every n-th spec
+    args = ap.parse_args()
+    todo = specs()
+    if args.list:
+        print("\n".join(s.short_name() for s in todo), f"\n{len(todo)} launchers", sep="")
+        return
+    cache = Path(os.environ.setdefault("XATTN_CACHE_DIR", str(ROOT / ".gpu" / "kc" / "cache")))
+    if args.shard:
+        i, n = map(int, args.shard.split("/"))
+        from xattn.core import warmup
+
+        warmup.run(todo[i::n], out=sys.stdout)
+        return
+    procs = [subprocess.Popen([sys.executable, __file__, "--shard", f"{i}/{args.jobs}"], env=os.environ)
+             for i in range(args.jobs)]
+    if any(p.wait() for p in procs):
+        sys.exit("prefill: a shard failed")
+    target = ROOT / ".gpu" / "kc" / "kernels.tar.xz"
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
+        with tarfile.open(tmp.name, "w:xz") as tar:
+            for f in sorted(cache.glob("*")):  # .o (the commit point), .so, .json; no locks
+                if f.is_file():
+                    tar.add(f, arcname=f.name)
+    os.replace(tmp.name, target)
+    print(f"prefill: {target} ({target.stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
