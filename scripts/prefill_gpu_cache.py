@@ -55,6 +55,9 @@ def specs():
         for causal in (False, True):
             add("fa4", d, dv, g, causal, varlen=True)
     add("fa4", 256, 256, 2, False, window=(1023, 0))
+    for varlen in (False, True):  # tiny Gemma 4 (sliding_window=16) in the HF test
+        add("fa4", 256, 256, 2, False, varlen, window=(15, 0))
+    add("fa4", 128, 128, 2, True, varlen=True)  # document-causal FA4 helper test
     add("fa4", 128, 128, 2, True, dtype="float16", directions=("fwd",))
     seen, unique = set(), []
     for s in out:
@@ -74,7 +77,7 @@ def main():
     if args.list:
         print("\n".join(s.short_name() for s in todo), f"\n{len(todo)} launchers", sep="")
         return
-    cache = Path(os.environ.setdefault("XATTN_CACHE_DIR", str(ROOT / ".gpu" / "kc" / "cache")))
+    cache = Path(os.environ.setdefault("XATTN_CACHE_DIR", str(ROOT / ".gpu" / "kc-cache")))
     if args.shard:
         i, n = map(int, args.shard.split("/"))
         from xattn.core import warmup
