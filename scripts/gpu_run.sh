@@ -8,6 +8,7 @@
 #   full-PART    benchmarks/full.py --part PART (d512, small, sliding, varlen, host, peak), appended to
 #                $OUT/results/full_h200.json, continuing benchmarks/results/full_h200.json if committed
 # Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S).
+# At most 8 files come back from $OUT: info.txt, gpu_tests.log, steps.log, cache_list.txt, results/*.json.
 # A kernel cache filled on the CPU machine (scripts/prefill_gpu_cache.py -> .gpu/kc, carried)
 # is unpacked into $XATTN_CACHE_DIR first.
 set -uo pipefail
@@ -25,16 +26,16 @@ python -c "import sys; from xattn.core.info import report; print(sys.version.spl
 left() { echo $(( BUDGET_S - SECONDS )); }
 for step in "$@"; do
   t=$(left)
-  if [ "$t" -lt 20 ]; then echo "gpu_run: no time left for $step" | tee -a "$OUT/skipped.txt"; continue; fi
-  echo "=== $step (${t} s left) ==="
+  if [ "$t" -lt 20 ]; then echo "gpu_run: no time left for $step" | tee -a "$OUT/steps.log"; continue; fi
+  echo "=== $step (${t} s left) ===" | tee -a "$OUT/steps.log"
   case "$step" in
     tests) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
-    tests-core) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider tests/core 2>&1 | tee "$OUT/gpu_tests_core.log" | tail -25 ;;
-    tests-*) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee "$OUT/gpu_$step.log" | tail -30 ;;
-    bench) timeout "$t" python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
-    cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee "$OUT/cold.log" | tail -20 ;;
+    tests-core) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider tests/core 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests-*) timeout "$t" python -m pytest -m gpu -q -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    bench) timeout "$t" python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -30 ;;
+    cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;
     full-*) timeout "$t" python benchmarks/full.py --part "${step#full-}" --append --out "$OUT/results/full_h200.json" \
-              2>&1 | tee "$OUT/full_${step#full-}.log" | tail -12 ;;
+              2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
     *) echo "unknown step $step" >&2 ;;
   esac
 done

@@ -83,16 +83,11 @@ def test_object_only_entry_loads_through_cutlass(cache_dir):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("suffix", [".o", ".so"])
-def test_corrupt_entry_is_removed_and_recompiled(cache_dir, suffix, caplog):
+def test_corrupt_object_is_removed_and_recompiled(cache_dir, caplog):
     cache.get_launcher(SPEC)
-    target = next(cache_dir.glob(f"*{suffix}"), None)
-    if target is None:
-        pytest.skip(f"no {suffix} entry on this machine (no C compiler for the .so form)")
-    if suffix == ".o":  # the .so form would be loaded first: make the .o the one that loads
-        for so in cache_dir.glob("*.so"):
-            so.unlink()
-    target.write_bytes(b"\x7fELF not really" * 10)
+    for so in cache_dir.glob("*.so"):  # the .so form would be loaded first: make the .o the one that loads
+        so.unlink()
+    next(cache_dir.glob("*.o")).write_bytes(b"\x7fELF not really" * 10)
     cache.clear()
     with caplog.at_level("WARNING", logger="xattn"):
         again = cache.get_launcher(SPEC)
@@ -100,6 +95,33 @@ def test_corrupt_entry_is_removed_and_recompiled(cache_dir, suffix, caplog):
     assert "unusable" in caplog.text
     cache.clear()
     assert cache.get_launcher(SPEC).source == "disk"  # the recompiled entry is good
+
+
+@pytest.mark.compile
+def test_corrupt_shared_library_is_relinked_from_the_object(cache_dir):
+    cache.get_launcher(SPEC)
+    so = next(cache_dir.glob("*.so"), None)
+    if so is None:
+        pytest.skip("no .so entry on this machine (no C compiler for the .so form)")
+    so.write_bytes(b"\x7fELF not really" * 10)
+    cache.clear()
+    again = cache.get_launcher(SPEC)
+    assert again.source == "disk" and isinstance(again.function, tvm_ffi.Function)
+    assert so.read_bytes()[:4] == b"\x7fELF" and len(so.read_bytes()) > 10_000  # a real library again
+
+
+@pytest.mark.compile
+def test_entry_from_another_machine_loads_without_its_rpath(cache_dir):
+    """A cache filled on a login node links the runtime by a path that does not exist here."""
+    cache.get_launcher(SPEC)
+    so = next(cache_dir.glob("*.so"), None)
+    if so is None:
+        pytest.skip("no .so entry on this machine (no C compiler for the .so form)")
+    assert disk_cache._link_shared(str(so.with_suffix(".o")), str(so), rpath=False)
+    linked = so.read_bytes()
+    out = _in_new_process(LOAD_IN_NEW_PROCESS, cache_dir)
+    assert out["source"] == "disk" and out["is_fn"] and "Mismatched Tensor" in out["err"]
+    assert so.read_bytes() == linked  # loaded as is once the runtime was preloaded: not relinked
 
 
 def test_key_changes_with_everything_that_changes_the_binary(monkeypatch):

@@ -84,17 +84,20 @@ def _preload_runtime() -> None:
 
 
 def load(spec: KernelSpec):
-    """``(module, function)`` from disk, or ``None`` on a miss. A broken entry is removed."""
+    """``(module, function)`` from disk, or ``None`` on a miss. A broken entry is removed.
+
+    The ``.so`` form is tried first (no cutlass import). A cache filled on another machine (a
+    login node) has a runtime rpath that may not exist here: the runtime is then preloaded and
+    the ``.so`` retried; a ``.so`` that still fails is relinked from the ``.o`` here."""
     stem = cache_dir() / entry_stem(spec)
     obj, lib = stem.with_suffix(".o"), stem.with_suffix(".so")
     if not obj.exists():
         return None
+    if lib.exists():
+        loaded = _load_shared(lib)
+        if loaded is not None:
+            return loaded
     try:
-        if lib.exists():  # fast path: no cutlass import
-            import tvm_ffi
-
-            module = tvm_ffi.load_module(str(lib))
-            return module, module[EXPORT_NAME]
         _preload_runtime()
         import cutlass.cute as cute
 
@@ -109,7 +112,31 @@ def load(spec: KernelSpec):
         return None
 
 
-def _link_shared(obj: str, out: str) -> bool:
+def _load_shared(lib: Path):
+    """``(module, function)`` from the ``.so`` form, relinking it from the ``.o`` once if needed; else None."""
+    import tvm_ffi
+
+    for attempt in ("as is", "runtime preloaded", "relinked here"):
+        if attempt == "runtime preloaded":
+            _preload_runtime()
+        elif attempt == "relinked here":
+            tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
+            if not _link_shared(str(lib.with_suffix(".o")), str(tmp)):
+                break
+            os.replace(tmp, lib)
+        try:
+            module = tvm_ffi.load_module(str(lib))
+            if attempt != "as is":
+                log.info("xattn: cache entry %s loaded (%s)", lib.stem, attempt)
+            return module, module[EXPORT_NAME]
+        except Exception as exc:  # noqa: BLE001 - the next attempt, then the .o, decide
+            log.info("xattn: %s did not load %s (%s)", lib.name, attempt, str(exc).splitlines()[0][:200])
+    with contextlib.suppress(OSError):
+        lib.unlink()
+    return None
+
+
+def _link_shared(obj: str, out: str, rpath: bool = True) -> bool:
     """Link an exported object into a shared library against the CuTeDSL runtime (rpath set)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
@@ -121,7 +148,7 @@ def _link_shared(obj: str, out: str) -> bool:
     for path in runtime:
         d = os.path.dirname(path)
         name = os.path.basename(path)[3:].split(".so")[0]  # libcute_dsl_runtime.so -> cute_dsl_runtime
-        flags += [f"-L{d}", f"-l{name}", f"-Wl,-rpath,{d}"]
+        flags += [f"-L{d}", f"-l{name}"] + ([f"-Wl,-rpath,{d}"] if rpath else [])
     try:
         subprocess.run([cc, "-shared", "-o", out, obj, *flags], check=True, capture_output=True, timeout=120)
         return True
