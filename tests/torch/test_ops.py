@@ -39,6 +39,42 @@ def test_autograd_through_the_op(d, causal):
     assert ("fwd", "ffpa" if d > 256 else "fa4") in CALLS and any(c[0] == "bwd" for c in CALLS)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_eager_path_and_custom_op_give_the_same_values_and_grads(varlen, monkeypatch):
+    """Plain eager tensors skip the custom-op dispatch (host cost); the result must not change."""
+    from xattn.torch import ops
+
+    q, k, v = _qkv(b=1, d=512)
+    kw = {}
+    if varlen:
+        q, k, v = (t.detach()[0].requires_grad_() for t in (q, k, v))
+        cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 9, 16], dtype=torch.int32)
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=9)
+    dout = torch.randn(q.shape)
+    results = []
+    for route in ("eager", "custom op"):
+        calls = []
+        monkeypatch.setattr(ops._EagerAttention, "apply", _recording(ops._EagerAttention.apply, calls))
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        if route == "eager":
+            out, lse = xt.attention_with_lse(qq, kk, vv, causal=True, **kw)
+        else:
+            out, lse = torch.ops.xattn.fwd(qq, kk, vv, "ffpa", 512 ** -0.5, True, -1, -1, kw.get("cu_seqlens_q"),
+                                           kw.get("cu_seqlens_k"), kw.get("max_seqlen_q", 0), kw.get("max_seqlen_k", 0))
+        out.backward(dout)
+        assert bool(calls) == (route == "eager") and not lse.requires_grad
+        results.append((out, lse, qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _recording(fn, calls):
+    def wrapped(*args):
+        calls.append(args)
+        return fn(*args)
+    return wrapped
+
+
 def test_varlen_op_and_lse_not_differentiable():
     q = torch.randn(30, 4, 128, requires_grad=True)
     k, v = torch.randn(40, 2, 128), torch.randn(40, 2, 128)

@@ -1,4 +1,4 @@
-"""Differentiable attention on torch tensors through the ``xattn::fwd`` custom op.
+"""Differentiable attention on torch tensors (the ``xattn::fwd`` custom op under torch.compile).
 
 q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` (or varlen ``[T, H, D]`` with int32
 ``cu_seqlens_q/k`` and ``max_seqlen_q/k``), fp16/bf16 CUDA tensors. Causal and windows are
@@ -14,7 +14,7 @@ import torch
 
 from xattn.core.spec import family_for
 
-from .ops import fwd
+from .ops import attention_op
 
 __all__ = ["attention", "attention_with_lse", "default_family"]
 
@@ -36,8 +36,9 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
     varlen = cu_seqlens_q is not None
     if varlen and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("max_seqlen_q/max_seqlen_k: required with cu_seqlens_q/cu_seqlens_k")
-    return fwd(q, k, v, family, scale, causal, -1 if left is None else left, -1 if right is None else right,
-               cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0, max_seqlen_k or 0)
+    return attention_op(q, k, v, family, scale, causal, -1 if left is None else left,
+                        -1 if right is None else right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0,
+                        max_seqlen_k or 0)
 
 
 def attention(q, k, v, **kwargs) -> torch.Tensor:
