@@ -63,13 +63,17 @@ def plot(rows: list[dict], path: str) -> None:
     groups = {g: m for g, m in groups.items() if len({n for pts in m.values() for n, _ in pts}) > 1}
     if not groups:
         raise ValueError("nothing to plot: no group has more than one sequence length")
+    # one colour per method across every panel, one legend for the figure (xattn in warm colours)
+    names = sorted({m for methods in groups.values() for m in methods}, key=lambda m: (not m.startswith("xattn"), m))
+    colours = dict(zip(names, plt.get_cmap("tab10").colors))
     cols = min(4, len(groups))
     rows_n = (len(groups) + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.5 * cols, 3.4 * rows_n), squeeze=False)
     for ax, (g, methods) in zip(axes.flat, sorted(groups.items())):
         for method, pts in sorted(methods.items()):
             pts.sort()
-            ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=method)
+            ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=method, color=colours[method],
+                    linewidth=2.2 if method.startswith("xattn") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_title(f"d{g[0]} {g[1]}/{g[2]} causal={g[3]} {g[4]}", fontsize=9)
         ax.set_xlabel("N")
@@ -77,8 +81,10 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles = [plt.Line2D([], [], color=colours[m], marker="o", label=m) for m in names]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(names), 5), fontsize=9)
+    fig.suptitle(f"{rows[0].get('device', '')}: TFLOP/s vs N (bf16; causal counts half)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     fig.savefig(path, dpi=110)
 
 
