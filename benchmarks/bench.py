@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -110,7 +111,7 @@ def native(family, q, k, v, causal, scale):
     return run
 
 
-def throughput_rows(device, quick):
+def throughput_rows(device, quick, repeat=3):
     rows = []
     b, h, n = (1, 8, 2048) if quick else (2, 16, 8192)
     for family, d, native_name in (("ffpa", 512, "ffpa_attn.ffpa_attn_func(cutedsl)"),
@@ -129,14 +130,22 @@ def throughput_rows(device, quick):
                 torch.autograd.grad(o, (qg, kg, vg), dout)
             cases = [("xattn.core(torch)", "fwd", core.fwd), ("xattn.core(torch)", "fwd+bwd", lambda: core.fwd_bwd(dout)),
                      (native_name, "fwd", lambda: nat(q, k, v)), (native_name, "fwd+bwd", nat_fwd_bwd)]
-            for method, pass_, fn in cases:
+            for _, _, fn in cases:
                 fn()  # compile / warm
-                ms = bench_ms(fn)
+            # core and native interleaved, `repeat` rounds: clock drift hits both alike, and the
+            # spread across rounds says how much of a core-vs-native gap is noise
+            times = {i: [] for i in range(len(cases))}
+            for _ in range(repeat):
+                for i, (_, _, fn) in enumerate(cases):
+                    times[i].append(bench_ms(fn))
+            for i, (method, pass_, _) in enumerate(cases):
+                ms = statistics.median(times[i])
                 tf = flops(b, h, n, n, d, causal, pass_) / ms / 1e9
                 rows.append(dict(method=method, head_dim=d, causal=causal, batch=b, heads_q=h, heads_kv=h,
                                  seqlen=n, dtype="bfloat16", varlen=False, **{"pass": pass_}, ms=round(ms, 4),
-                                 tflops=round(tf, 1), device=device))
-                log(f"{method:36s} d{d} causal={causal!s:5} {pass_:7s} {ms:8.3f} ms {tf:6.1f} TFLOP/s")
+                                 tflops=round(tf, 1), ms_rounds=[round(t, 4) for t in times[i]], device=device))
+                log(f"{method:36s} d{d} causal={causal!s:5} {pass_:7s} {ms:8.3f} ms {tf:6.1f} TFLOP/s "
+                    f"(rounds {min(times[i]):.3f}-{max(times[i]):.3f} ms)")
     return rows
 
 
@@ -178,10 +187,11 @@ def main(argv=None):
     ap.add_argument("--suite", default="core", choices=["core"])
     ap.add_argument("--out", default="benchmarks/results/core.json")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved core/native rounds per shape (median reported)")
     args = ap.parse_args(argv)
     device = torch.cuda.get_device_name()
     log(f"device {device}; suite {args.suite}")
-    rows = throughput_rows(device, args.quick) + host_rows(device)
+    rows = throughput_rows(device, args.quick, args.repeat) + host_rows(device)
     versions = ", ".join(f"{k} {v}" for k, v in library_versions()) + f", torch {torch.__version__}"
     for r in rows:
         r.update(versions=versions, date=time.strftime("%Y-%m-%d"), python=platform.python_version())

@@ -6,7 +6,7 @@
 
 Each part fits one device call; ``--append`` merges into the same file. Rows follow the core
 suite's form (method, head_dim, causal, batch, heads_q, heads_kv, seqlen, pass, ms, tflops, device,
-dtype, varlen, us_per_call) plus ``status`` ("ok", "oom", "refused: ...", "error: ...").
+dtype, varlen, us_per_call) plus ``status`` ("ok", "oom", "refused: ...", "error: ...") and ``part``.
 Timing: torch paths use ``triton.testing.do_bench`` medians; JAX paths the median wall time of
 ``block_until_ready`` loops after warm-up. A path slower than 1.5 s per call is timed over 3 calls.
 TFLOP/s: fwd 4*B*Hq*Nq*Nk*D (causal: half), fwd+bwd 3.5x. ``benchmarks/report.py`` turns the JSON
@@ -49,6 +49,12 @@ def plan(part: str):
                 for causal in (False, True):
                     for p in ("fwd", "fwd+bwd"):
                         rows += [(m, d, hq, hkv, n, causal, p) for m in methods]
+    elif part == "hf":  # issue #3: the HF attention function vs the native kernel, same run
+        for (hq, hkv) in D512_HEADS:
+            for n in (4096, 8192, 16384):
+                for p in ("fwd", "fwd+bwd"):
+                    rows += [(m, 512, hq, hkv, n, True, p) for m in ("xattn HF ffpa_attention_forward",
+                                                                    "xattn.torch", "ffpa_attn native")]
     elif part == "sliding":
         rows += [(m, 256, 32, 16, 8192, "window1024", p) for m in ("xattn.torch fa4 local", "torch flex attention")
                  for p in ("fwd", "fwd+bwd")]
@@ -158,6 +164,14 @@ def torch_callable(method, d, hq, hkv, n, causal, pass_):
         f = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal_flag, scale=scale,
             enable_gqa=hq != hkv)
+    elif method == "xattn HF ffpa_attention_forward":
+        from xattn.torch.ffpa_attention import ffpa_attention_forward
+
+        module = torch.nn.Module()
+        module.is_causal = causal_flag
+        # what HF hands over: [B, H, N, D] views of [B, N, H, D] projections; returns [B, N, H, D]
+        f = lambda q, k, v: ffpa_attention_forward(module, q.transpose(1, 2), k.transpose(1, 2),  # noqa: E731
+                                                   v.transpose(1, 2), None, scaling=scale)[0]
     elif method == "torch flex attention":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -294,7 +308,7 @@ def _free():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="d512", choices=["d512", "small", "sliding", "varlen", "host", "peak"])
+    ap.add_argument("--part", default="d512", choices=["d512", "small", "hf", "sliding", "varlen", "host", "peak"])
     ap.add_argument("--out", default="benchmarks/results/full.json")
     ap.add_argument("--append", action="store_true", help="merge into an existing --out file")
     ap.add_argument("--dry-run", action="store_true", help="print the planned rows and exit (no GPU)")
@@ -323,7 +337,7 @@ def main(argv=None):
     if args.append and os.path.exists(args.out):
         with open(args.out) as f:
             done = json.load(f)
-    measured = {_key(r) for r in done if r.get("status") == "ok" and r["pass"] != "matmul"}
+    measured = {_key(r) for r in done if r.get("status") == "ok" and r["pass"] != "matmul" and r.get("part") == args.part}
     slow = {}  # series -> ms of its last N; a series past SLOW_MS skips its larger N (4x the work each)
     for i, spec in enumerate(rows, 1):
         method, d, hq, hkv, n, causal, pass_ = spec
@@ -338,7 +352,7 @@ def main(argv=None):
             row = run_row(*spec, device)
             if row["ms"] is not None:
                 slow[series] = row["ms"]
-        row.update(versions=versions, date=time.strftime("%Y-%m-%d"))
+        row.update(part=args.part, versions=versions, date=time.strftime("%Y-%m-%d"))
         done.append(row)
         print(f"[{i}/{len(rows)}] {row['method']:28s} d{row['head_dim']} {row['heads_q']}/{row['heads_kv']} "
               f"N{row['seqlen']} causal={row['causal']} {row['pass']:8s} {row['ms']} ms {row['tflops']} TFLOP/s "

@@ -16,8 +16,8 @@ from collections import defaultdict
 NATIVE = {512: "ffpa_attn native", 128: "flash_attn.cute native", 256: "flash_attn.cute native"}
 
 
-def _key(r):
-    return (r["head_dim"], r["heads_q"], r["heads_kv"], r["seqlen"], str(r["causal"]), r["pass"])
+def _key(r):  # rows of one part are one run: ratios never mix runs
+    return (r.get("part"), r["head_dim"], r["heads_q"], r["heads_kv"], r["seqlen"], str(r["causal"]), r["pass"])
 
 
 def enrich(rows: list[dict]) -> list[dict]:
@@ -57,7 +57,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     groups = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if r.get("tflops") and r["pass"] != "matmul" and not r.get("varlen"):
+        if r.get("tflops") and r["pass"] != "matmul" and not r.get("varlen") and r.get("part") != "hf":
             g = (r["head_dim"], r["heads_q"], r["heads_kv"], str(r["causal"]), r["pass"])
             groups[g][r["method"]].append((r["seqlen"], r["tflops"]))
     groups = {g: m for g, m in groups.items() if len({n for pts in m.values() for n, _ in pts}) > 1}

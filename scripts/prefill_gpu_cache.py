@@ -58,6 +58,7 @@ def specs():
     for varlen in (False, True):  # tiny Gemma 4 (sliding_window=16) in the HF test
         add("fa4", 256, 256, 2, False, varlen, window=(15, 0))
     add("fa4", 128, 128, 2, True, varlen=True)  # document-causal FA4 helper test
+    add("fa4", 256, 256, 2, False, window=(63, 0))  # JAX sliding-window test
     add("fa4", 128, 128, 2, True, dtype="float16", directions=("fwd",))
     seen, unique = set(), []
     for s in out:

@@ -117,3 +117,91 @@ def test_remat_and_shard_map_on_gpu():
     g = jax.jit(jax.grad(lambda q, k, v: (sharded(q, k, v).astype(jnp.float32) ** 2).sum(), argnums=(0, 1, 2)))
     for a, b in zip(g(put(q), put(k), put(v)), plain):
         assert _rel(a, b) < 1e-6
+
+
+def _grads(f, *args):
+    return jax.grad(lambda *a: (f(*a).astype(jnp.float32) ** 2).sum(), argnums=tuple(range(len(args))))(*args)
+
+
+@pytest.mark.parametrize("family, d, dv, g, causal", [("ffpa", 512, 512, 4, True), ("fa4", 128, 128, 2, False),
+                                                      ("fa4", 192, 128, 1, True)])
+def test_low_level_fwd_bwd_use_the_callers_out_and_lse(family, d, dv, g, causal):
+    """ffpa_fwd/bwd, fa4_fwd/bwd vs the reference; the backward really reads the given lse:
+    lse + ln 2 halves every probability, so dV halves (the ring-attention contract)."""
+    q, k, v = _qkv(11, (2, 200, 2 * g, d), (2, 264, 2, d), dv)
+    scale = d ** -0.5
+    fwd, bwd = (xj.ffpa_fwd, xj.ffpa_bwd) if family == "ffpa" else (xj.fa4_fwd, xj.fa4_bwd)
+    out, lse = jax.jit(lambda q, k, v: fwd(q, k, v, scale=scale, causal=causal, backend="kernel"))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref_out, ref_lse = fwd(*f32, scale=scale, causal=causal, backend="reference")
+    assert _rel(out, ref_out) < 1e-2 and _rel(lse, ref_lse) < 1e-3
+    dout = jax.random.normal(jax.random.PRNGKey(12), out.shape, out.dtype)
+    run_bwd = jax.jit(lambda lse: bwd(dout, q, k, v, out, lse, scale=scale, causal=causal, backend="kernel"))
+    grads = run_bwd(lse)
+    ref = bwd(dout.astype(jnp.float32), *f32, out.astype(jnp.float32), lse, scale=scale, causal=causal,
+              backend="reference")
+    for a, b in zip(grads, ref):
+        assert _rel(a, b) < 1e-2
+    halved = run_bwd(lse + np.log(2.0))
+    assert _rel(halved[2], np.asarray(grads[2], np.float64) / 2) < 1e-2
+
+
+@pytest.mark.parametrize("family, d, dv, g", [("ffpa", 512, 512, 4), ("fa4", 192, 128, 1), ("fa4", 128, 128, 2)])
+def test_varlen_grads_with_zero_length_segments(family, d, dv, g):
+    lq, lk = [100, 0, 257, 63], [90, 60, 250, 130]
+    cu = lambda ls: jnp.array(np.concatenate([[0], np.cumsum(ls)]), jnp.int32)  # noqa: E731
+    q, k, v = _qkv(13, (sum(lq), 2 * g, d), (sum(lk), 2, d), dv)
+    kw = dict(max_seqlen_q=257, max_seqlen_k=250, family=family, causal=True)
+    run = lambda backend: (lambda q, k, v: xj.varlen_attention(q, k, v, cu(lq), cu(lk), backend=backend, **kw))  # noqa: E731
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert _rel(jax.jit(run("kernel"))(q, k, v), run("reference")(*f32)) < 1e-2
+    for a, b in zip(jax.jit(lambda *a: _grads(run("kernel"), *a))(q, k, v), _grads(run("reference"), *f32)):
+        assert _rel(a, b) < 1e-2
+
+
+def test_packed_segment_ids_fwd_and_grads():
+    ids = jnp.array([[1] * 70 + [2] * 100 + [0] * 22, [3] * 192])
+    q, k, v = _qkv(14, (2, 192, 8, 512), (2, 192, 2, 512))
+    run = lambda backend: (lambda q, k, v: xj.packed_attention(q, k, v, ids, max_segments=8, backend=backend))  # noqa: E731
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    real = np.asarray(ids != 0)[:, :, None, None]  # padding rows: whatever the contract says, compare the rest
+    assert _rel(np.asarray(jax.jit(run("kernel"))(q, k, v), np.float32) * real,
+                np.asarray(run("reference")(*f32)) * real) < 1e-2
+    for a, b in zip(jax.jit(lambda *a: _grads(run("kernel"), *a))(q, k, v), _grads(run("reference"), *f32)):
+        assert _rel(a, b) < 1e-2
+
+
+def test_sliding_window_flash_attention_fwd_and_grads():
+    q, k, v = _qkv(15, (2, 300, 4, 256), (2, 300, 2, 256))
+    run = lambda backend: (lambda q, k, v: xj.flash_attention(q, k, v, window_size=(63, 0), backend=backend))  # noqa: E731
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert _rel(jax.jit(run("kernel"))(q, k, v), run("reference")(*f32)) < 1e-2
+    for a, b in zip(jax.jit(lambda *a: _grads(run("kernel"), *a))(q, k, v), _grads(run("reference"), *f32)):
+        assert _rel(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("start, nq", [(0, 64), (32, 32)])
+def test_fa4_helpers_on_the_kernels(start, nq):
+    """causal_fa4_attention and document_causal_fa4_attention (left-padded, sharded-query rows)."""
+    kv_ids = jnp.array([[0] * 10 + [1] * 24 + [2] * 30, [3] * 64])
+    q_ids = kv_ids[:, start:start + nq]
+    q, k, v = _qkv(16, (2, nq, 4, 128), (2, 64, 2, 128))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    doc = lambda backend: (lambda q, k, v: xj.document_causal_fa4_attention(  # noqa: E731
+        q, k, v, q_ids, kv_ids, start, 0.1, max_segments=8, backend=backend))
+    assert _rel(jax.jit(doc("kernel"))(q, k, v), doc("reference")(*f32)) < 1e-2
+    for a, b in zip(jax.jit(lambda *a: _grads(doc("kernel"), *a))(q, k, v), _grads(doc("reference"), *f32)):
+        assert _rel(a, b) < 1e-2
+    qc, kc, vc = _qkv(17, (2, 64, 4, 128), (2, 64, 2, 128))
+    causal = lambda backend: (lambda q, k, v: xj.causal_fa4_attention(q, k, v, 0.1, backend=backend))  # noqa: E731
+    assert _rel(jax.jit(causal("kernel"))(qc, kc, vc),
+                causal("reference")(*(x.astype(jnp.float32) for x in (qc, kc, vc)))) < 1e-2
+
+
+@pytest.mark.parametrize("d", [512, 128])
+def test_dot_product_attention_matches_jax_nn(d):
+    q, k, v = _qkv(18, (2, 256, 8, d), (2, 256, 2, d))
+    ours = jax.jit(lambda q, k, v: xj.dot_product_attention(q, k, v, is_causal=True, backend="kernel"))(q, k, v)
+    theirs = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True,
+                                          implementation="xla")
+    assert _rel(ours, theirs) < 1e-2

@@ -60,9 +60,15 @@ def test_tiny_gemma4_ffpa_vs_sdpa_logits_and_grads():
         logits = m(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
         logits.square().mean().backward()
         res[name] = (logits, {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None})
-    assert rel_err(res["ffpa"][0], res["sdpa"][0]) < 2e-2
-    for n, g in res["sdpa"][1].items():
-        assert rel_err(res["ffpa"][1][n], g) < 5e-2, n
+    logits_err = rel_err(res["ffpa"][0], res["sdpa"][0])
+    grad_errs = {n: rel_err(res["ffpa"][1][n], g) for n, g in res["sdpa"][1].items()}
+    worst = max(grad_errs, key=grad_errs.get)
+    print(f"gemma4 tiny ffpa vs sdpa (bf16, non-pad positions): logits rel err {logits_err:.2e}; "
+          f"{len(grad_errs)} parameter grads, max rel err {grad_errs[worst]:.2e} ({worst}), "
+          f"median {sorted(grad_errs.values())[len(grad_errs) // 2]:.2e}")
+    assert logits_err < 2e-2
+    for n, e in grad_errs.items():
+        assert e < 5e-2, (n, e)
 
 
 def test_packed_batch_equals_each_document_alone():
@@ -74,17 +80,17 @@ def test_packed_batch_equals_each_document_alone():
         assert rel_err(out[:, a:b], alone.double()) < 1e-2
 
 
-@pytest.mark.parametrize("start, nq", [(0, 64), (32, 32)])
-def test_document_causal_fa4_vs_masked_reference(start, nq):
-    kv_ids = torch.tensor([[1] * 20 + [2] * 30 + [0] * 14, [3] * 64], device="cuda")
+@pytest.mark.parametrize("start, nq, left_pad", [(0, 64, False), (32, 32, False), (0, 64, True), (32, 32, True)])
+def test_document_causal_fa4_vs_masked_reference(start, nq, left_pad):
+    rows = [[0] * 14 + [1] * 20 + [2] * 30, [3] * 64] if left_pad else [[1] * 20 + [2] * 30 + [0] * 14, [3] * 64]
+    kv_ids = torch.tensor(rows, device="cuda")
     q_ids = kv_ids[:, start:start + nq]
-    q, k, v = _qkv(2, nq, 64, 4, 2, 128)
-    q.requires_grad_()
+    q, k, v = (t.requires_grad_() for t in _qkv(2, nq, 64, 4, 2, 128))
     out = fa4.document_causal_fa4_attention(q, k, v, q_ids, kv_ids, start, scale=0.1)
     pos_q, pos_k = torch.arange(nq, device="cuda") + start, torch.arange(64, device="cuda")
     mask = (q_ids[:, :, None] == kv_ids[:, None, :]) & (pos_k[None, None] <= pos_q[None, :, None])
-    kk, vv = k.double().repeat_interleave(2, 2), v.double().repeat_interleave(2, 2)
-    q64 = q.detach().double().requires_grad_()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    kk, vv = k64.repeat_interleave(2, 2), v64.repeat_interleave(2, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q64, kk) * 0.1
     p = torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), -1).nan_to_num(0.0)
     ref = torch.einsum("bhqk,bkhd->bqhd", p, vv) * (q_ids != 0)[:, :, None, None]
@@ -92,7 +98,8 @@ def test_document_causal_fa4_vs_masked_reference(start, nq):
     dout = torch.randn_like(out)
     out.backward(dout)
     ref.backward(dout.double())
-    assert rel_err(q.grad, q64.grad) < 1e-2
+    for name, a, b in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
+        assert rel_err(a.grad, b.grad) < 1e-2, name
 
 
 def test_torch_compile_fullgraph_and_cuda_graph_replay():
