@@ -311,6 +311,7 @@ def main(argv=None):
     ap.add_argument("--part", default="d512", choices=["d512", "small", "hf", "sliding", "varlen", "host", "peak"])
     ap.add_argument("--out", default="benchmarks/results/full.json")
     ap.add_argument("--append", action="store_true", help="merge into an existing --out file")
+    ap.add_argument("--redo", action="store_true", help="with --append: drop this part's earlier rows, measure anew")
     ap.add_argument("--dry-run", action="store_true", help="print the planned rows and exit (no GPU)")
     args = ap.parse_args(argv)
     rows = plan(args.part)
@@ -337,6 +338,8 @@ def main(argv=None):
     if args.append and os.path.exists(args.out):
         with open(args.out) as f:
             done = json.load(f)
+        if args.redo:
+            done = [r for r in done if r.get("part") != args.part]
     measured = {_key(r) for r in done if r.get("status") == "ok" and r["pass"] != "matmul" and r.get("part") == args.part}
     slow = {}  # series -> ms of its last N; a series past SLOW_MS skips its larger N (4x the work each)
     for i, spec in enumerate(rows, 1):

@@ -5,8 +5,11 @@
 #   tests-core   the core kernel tests only
 #   bench        core suite -> $OUT/results/core_h200.json
 #   cold         cold vs warm start -> $OUT/results/cold_start_h200.json
-#   full-PART    benchmarks/full.py --part PART (d512, small, sliding, varlen, host, peak), appended to
+#   full-PART    benchmarks/full.py --part PART (d512, small, hf, sliding, varlen, host, peak), appended to
 #                $OUT/results/full_h200.json, continuing benchmarks/results/full_h200.json if committed
+#                (rows of the part already measured are kept: a part cut short resumes)
+#   redo-PART    the same, but the part's earlier rows are dropped and measured anew
+#   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
 # Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S).
 # At most 8 files come back from $OUT: info.txt, gpu_tests.log, steps.log, cache_list.txt, results/*.json.
 # A kernel cache filled on the CPU machine (scripts/prefill_gpu_cache.py -> .gpu/kc, carried)
@@ -34,6 +37,9 @@ for step in "$@"; do
     tests-*) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
     bench) timeout "$t" python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -30 ;;
     cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;
+    redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \
+              2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
+    probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
     full-*) timeout "$t" python benchmarks/full.py --part "${step#full-}" --append --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
     *) echo "unknown step $step" >&2 ;;

@@ -6,7 +6,9 @@ machine loads these entries exactly as a cluster loads a cache filled on a login
 (``python -m xattn warmup --arch sm_90a``), which is itself a feature under test. Launchers
 not listed here are simply compiled on the GPU.
 
-    python scripts/prefill_gpu_cache.py [--jobs 2] [--list]
+    bash scripts/prefill_env.sh && .venv312/bin/python scripts/prefill_gpu_cache.py [--jobs 2] [--list]
+
+The key holds the Python minor version, so run it with the GPU machine's (3.12).
 """
 
 from __future__ import annotations

@@ -97,12 +97,17 @@ def test_corrupt_object_is_removed_and_recompiled(cache_dir, caplog):
     assert cache.get_launcher(SPEC).source == "disk"  # the recompiled entry is good
 
 
-@pytest.mark.compile
-def test_corrupt_shared_library_is_relinked_from_the_object(cache_dir):
+def _compiled_shared_library(cache_dir):
     cache.get_launcher(SPEC)
     so = next(cache_dir.glob("*.so"), None)
     if so is None:
         pytest.skip("no .so entry on this machine (no C compiler for the .so form)")
+    return so
+
+
+@pytest.mark.compile
+def test_corrupt_shared_library_is_relinked_from_the_object(cache_dir):
+    so = _compiled_shared_library(cache_dir)
     so.write_bytes(b"\x7fELF not really" * 10)
     cache.clear()
     again = cache.get_launcher(SPEC)
@@ -113,10 +118,7 @@ def test_corrupt_shared_library_is_relinked_from_the_object(cache_dir):
 @pytest.mark.compile
 def test_entry_from_another_machine_loads_without_its_rpath(cache_dir):
     """A cache filled on a login node links the runtime by a path that does not exist here."""
-    cache.get_launcher(SPEC)
-    so = next(cache_dir.glob("*.so"), None)
-    if so is None:
-        pytest.skip("no .so entry on this machine (no C compiler for the .so form)")
+    so = _compiled_shared_library(cache_dir)
     assert disk_cache._link_shared(str(so.with_suffix(".o")), str(so), rpath=False)
     linked = so.read_bytes()
     out = _in_new_process(LOAD_IN_NEW_PROCESS, cache_dir)
