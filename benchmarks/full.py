@@ -253,10 +253,15 @@ def varlen_callable(method, d, hq, hkv, n, pass_):
     return "jax", (g, (q, k, v)), lens
 
 
+def empty_row(method, d, hq, hkv, n, causal, pass_, device, status):
+    """A result row in the core suite's form, not yet timed."""
+    return dict(method=method, head_dim=d, causal=causal, batch=1, heads_q=hq, heads_kv=hkv, seqlen=n,
+                dtype="bfloat16", varlen="varlen" in method, **{"pass": pass_}, ms=None, tflops=None,
+                device=device, status=status)
+
+
 def run_row(method, d, hq, hkv, n, causal, pass_, device):
-    row = dict(method=method, head_dim=d, causal=causal, batch=1, heads_q=hq, heads_kv=hkv, seqlen=n,
-               dtype="bfloat16", varlen="varlen" in method, **{"pass": pass_}, ms=None, tflops=None,
-               device=device, status="ok")
+    row = empty_row(method, d, hq, hkv, n, causal, pass_, device, "ok")
     try:
         if pass_ == "matmul":
             import torch
@@ -348,9 +353,7 @@ def main(argv=None):
             continue  # resumed run: already measured by an earlier call
         series = (method, d, hq, hkv, causal, pass_)
         if slow.get(series, 0) > SLOW_MS:
-            row = dict(method=method, head_dim=d, causal=causal, batch=1, heads_q=hq, heads_kv=hkv, seqlen=n,
-                       dtype="bfloat16", varlen="varlen" in method, **{"pass": pass_}, ms=None, tflops=None,
-                       device=device, status=f"skipped: N={n // 2} took {slow[series] / 1e3:.1f} s per call")
+            row = empty_row(*spec, device, f"skipped: N={n // 2} took {slow[series] / 1e3:.1f} s per call")
         else:
             row = run_row(*spec, device)
             if row["ms"] is not None:
