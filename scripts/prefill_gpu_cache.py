@@ -92,6 +92,7 @@ def main():
     if any(p.wait() for p in procs):
         sys.exit("prefill: a shard failed")
     target = ROOT / ".gpu" / "kc" / "kernels.tar.xz"
+    target.parent.mkdir(parents=True, exist_ok=True)  # pack.sh wipes .gpu/
     with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
         with tarfile.open(tmp.name, "w:xz") as tar:
             for f in sorted(cache.glob("*")):  # .o (the commit point), .so, .json; no locks
