@@ -202,22 +202,30 @@ def _dense_mask(query, key, attention_mask, causal, sliding):
 
 
 def _sdpa(module, query, key, value, attention_mask, dropout, scaling, softcap, causal, sliding):
+    """torch SDPA (eager when softcapped) on [B, H, N, D]; returns [B, N, Hq, Dv] contiguous.
+
+    GQA is left to SDPA (``enable_gqa``), never expanded twice. Query rows with no visible key
+    (left padding under a causal mask) give zeros, not NaN."""
+    live = None
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype != torch.bool:
         mask = attention_mask  # an additive float mask from the caller: keep it
     else:
         mask = _dense_mask(query, key, attention_mask, causal, sliding)
+        live = mask.any(-1, keepdim=True)  # [B, 1, Nq, 1]
+        mask = mask | ~live  # a dead row attends to everything; its output is zeroed below
     if softcap is not None:
-        return _eager_softcap(query, key, value, mask, scaling, softcap), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    g = query.shape[1] // key.shape[1]
-    if g > 1:  # expand GQA here: modules outside HF need not carry num_key_value_groups
-        key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                  is_causal=False)
+        out = _eager_softcap(query, key, value, mask, scaling, softcap)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1]).transpose(1, 2)
+    if live is not None:
+        out = out * live.transpose(1, 2).to(out.dtype)  # [B, Nq, 1, 1]
+    return out.contiguous(), None
 
 
 def _eager_softcap(query, key, value, mask, scaling, softcap):
+    """Softcapped attention in fp32 scores on [B, H, N, D]; returns [B, N, Hq, Dv] contiguous."""
     g = query.shape[1] // key.shape[1]
     k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
