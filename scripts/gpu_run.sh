@@ -10,6 +10,7 @@
 #                (rows of the part already measured are kept: a part cut short resumes)
 #   redo-PART    the same, but the part's earlier rows are dropped and measured anew
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
+#   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
 # Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S).
 # At most 8 files come back from $OUT: info.txt, gpu_tests.log, steps.log, cache_list.txt, results/*.json.
 # A kernel cache filled on the CPU machine (scripts/prefill_gpu_cache.py -> .gpu/kc, carried)
@@ -40,6 +41,7 @@ for step in "$@"; do
     redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
+    timing) timeout "$t" python benchmarks/tools/timing_method_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     full-*) timeout "$t" python benchmarks/full.py --part "${step#full-}" --append --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
     *) echo "unknown step $step" >&2 ;;
