@@ -57,8 +57,10 @@ def specs():
         for causal in (False, True):
             add("fa4", d, dv, g, causal, varlen=True)
     add("fa4", 256, 256, 2, False, window=(1023, 0))
-    for varlen in (False, True):  # tiny Gemma 4 (sliding_window=16) in the HF test
-        add("fa4", 256, 256, 2, False, varlen, window=(15, 0))
+    for dtype in ("bfloat16", "float16"):  # tiny Gemma 4 in the HF parity test (both dtypes)
+        for varlen in (False, True):
+            add("fa4", 256, 256, 2, False, varlen, window=(15, 0), dtype=dtype)
+            add("ffpa", 512, 512, 8, True, varlen, dtype=dtype)
     add("fa4", 128, 128, 2, True, varlen=True)  # document-causal FA4 helper test
     add("fa4", 256, 256, 2, False, window=(63, 0))  # JAX sliding-window test
     add("fa4", 128, 128, 2, True, dtype="float16", directions=("fwd",))
