@@ -31,44 +31,73 @@ def parity(monkeypatch, config_kwargs, ids, mask, device, dtype=torch.float16):
     """Run ``ids``/``mask`` [B, N] through "sdpa" and "ffpa" in ``dtype`` and fp64 "sdpa" (the
     truth), all with the same ``dtype``-rounded weights, loss ``mean(logits[non-pad]**2)``.
 
-    Returns ``{"sdpa"|"ffpa": (logits_err, {param: grad_err})}`` relative to the truth, and
+    Returns ``(errs, layers, calls)``:
+    ``errs = {"sdpa"|"ffpa": (logits_err, {param: grad_err})}`` relative to the truth;
+    ``layers``: per attention call of the "ffpa" model, ``(head_dim, {"out"|"dq"|"dk"|"dv": err})``
+    of the "ffpa" function against its fp64 fallback on the same inputs (the activations and
+    masks the model really hands over; a fresh random ``dout``) -- sharp where the whole-model
+    numbers are blurred by the model's own rounding;
     ``calls``: how often each model entered xattn's kernel path
     (``xattn.torch.ffpa_attention.attention``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
     fa.register_ffpa_attention()
-    calls = {"truth": 0, "sdpa": 0, "ffpa": 0}
+    calls = {"truth": 0, "sdpa": 0, "ffpa": 0, "layer check": 0}
     current = []
-    kernel_call = fa.attention
+    layers = []
+    kernel_call, ffpa_forward = fa.attention, fa.ffpa_attention_forward
 
     def counting_attention(*args, **kwargs):
         calls[current[0]] += 1
         return kernel_call(*args, **kwargs)
-    monkeypatch.setattr(fa, "attention", counting_attention)
 
+    def checked_forward(module, query, key, value, attention_mask, *args, **kwargs):
+        result = ffpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
+        current[:], outer = ["layer check"], current[0]
+        with torch.enable_grad():
+            errs = {}
+            for_ref, for_ffpa = ([t.detach().to(dt).requires_grad_() for t in (query, key, value)]
+                                 for dt in (torch.float64, query.dtype))
+            ref = ffpa_forward(module, *for_ref, attention_mask, *args, **kwargs)[0]  # fp64: the SDPA fallback
+            out = ffpa_forward(module, *for_ffpa, attention_mask, *args, **kwargs)[0]
+            dout = torch.randn_like(ref)
+            ref.backward(dout)
+            out.backward(dout.to(out.dtype))
+            errs["out"] = rel_err(out, ref)
+            for name, a, b in zip(("dq", "dk", "dv"), for_ffpa, for_ref):
+                errs[name] = rel_err(a.grad, b.grad)
+        layers.append((query.shape[-1], errs))
+        current[:] = [outer]
+        return result
+
+    monkeypatch.setattr(fa, "attention", counting_attention)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "ffpa", checked_forward)
     runs = {"truth": ("sdpa", torch.float64), "sdpa": ("sdpa", dtype), "ffpa": ("ffpa", dtype)}
     torch.manual_seed(0)
     weights = AutoModelForCausalLM.from_config(tiny_gemma4_config(**config_kwargs)).to(dtype).state_dict()
     keep = mask.bool()
     logits, grads = {}, {}
-    for name, (impl, dtype) in runs.items():
+    for name, (impl, run_dtype) in runs.items():
         model = AutoModelForCausalLM.from_config(tiny_gemma4_config(**config_kwargs), attn_implementation=impl)
         model.load_state_dict(weights)
-        model.to(device, dtype)
+        model.to(device, run_dtype)
         assert model.config._attn_implementation == impl
         current[:] = [name]
         out = model(input_ids=ids, attention_mask=mask).logits.double()[keep]
         out.square().mean().backward()
         logits[name] = out.detach()
         grads[name] = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
-    return {name: (rel_err(logits[name], logits["truth"]),
+    errs = {name: (rel_err(logits[name], logits["truth"]),
                    {n: rel_err(g, grads["truth"][n]) for n, g in grads[name].items()})
-            for name in ("sdpa", "ffpa")}, calls
+            for name in ("sdpa", "ffpa")}
+    return errs, layers, calls
 
 
-def summary(errs, dtype) -> str:
-    """One line per implementation: logits error and worst / median parameter-grad error."""
-    lines = []
+def summary(errs, layers, dtype) -> str:
+    """One line per implementation: logits error and worst / median parameter-grad error; one per
+    attention call: its errors against fp64."""
+    lines = [f"attention call {i} (head_dim {d}, {str(dtype)[6:]}) vs fp64: "
+             + ", ".join(f"{k} {v:.2e}" for k, v in e.items()) for i, (d, e) in enumerate(layers)]
     for name, (logit_err, grad_errs) in errs.items():
         worst = max(grad_errs, key=grad_errs.get)
         median = sorted(grad_errs.values())[len(grad_errs) // 2]
@@ -77,9 +106,14 @@ def summary(errs, dtype) -> str:
     return "\n".join(lines)
 
 
-def assert_parity(errs, slack=1.5, logits_floor=1e-3, grad_floor=1e-2):
-    """ffpa is at most ``slack`` times as far from the truth as sdpa (plus a floor), on the logits
-    and on every parameter grad."""
+def assert_parity(errs, layers, slack=1.5, logits_floor=1e-3, grad_floor=1e-2, layer_tol=1e-2):
+    """Every attention call's out/dq/dk/dv within ``layer_tol`` of fp64; and the whole model: ffpa
+    at most ``slack`` times as far from the truth as sdpa (plus a floor), on the logits and on
+    every parameter grad."""
+    assert layers, "the ffpa model made no attention call"
+    for head_dim, layer_errs in layers:
+        for name, e in layer_errs.items():
+            assert e < layer_tol, (head_dim, name, e)
     (s_logits, s_grads), (f_logits, f_grads) = errs["sdpa"], errs["ffpa"]
     assert f_logits <= slack * s_logits + logits_floor, ("logits", f_logits, s_logits)
     for n, e in f_grads.items():

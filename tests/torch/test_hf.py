@@ -148,10 +148,10 @@ def test_tiny_gemma4_without_kernels_falls_back_and_matches_sdpa(monkeypatch, ca
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0
     with caplog.at_level(logging.WARNING, logger="xattn"):
-        errs, calls = gemma.parity(monkeypatch, {}, ids, mask, "cpu")
-    assert calls == {"truth": 0, "sdpa": 0, "ffpa": 0}
+        errs, layers, calls = gemma.parity(monkeypatch, {}, ids, mask, "cpu")
+    assert calls == {"truth": 0, "sdpa": 0, "ffpa": 0, "layer check": 0}
     assert caplog.text.count("falling back (ffpa_unavailable)") == 1
-    gemma.assert_parity(errs)
+    gemma.assert_parity(errs, layers)
 
 
 def test_tiny_gemma4_ffpa_matches_sdpa(kernels, monkeypatch):
@@ -159,9 +159,9 @@ def test_tiny_gemma4_ffpa_matches_sdpa(kernels, monkeypatch):
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0  # left padding
-    errs, calls = gemma.parity(monkeypatch, {}, ids, mask, "cpu")
-    print(gemma.summary(errs, torch.float16))
-    assert calls == {"truth": 0, "sdpa": 0, "ffpa": 2}  # one sliding (FA4 local) + one full (FFPA) layer
+    errs, layers, calls = gemma.parity(monkeypatch, {}, ids, mask, "cpu")
+    print(gemma.summary(errs, layers, torch.float16))
+    assert calls == {"truth": 0, "sdpa": 0, "ffpa": 2, "layer check": 2}  # one sliding (FA4 local) + one full (FFPA) layer
     assert ("fwd", "ffpa") in stubs.CALLS and ("fwd", "fa4") in stubs.CALLS
-    gemma.assert_parity(errs)
+    gemma.assert_parity(errs, layers)
 

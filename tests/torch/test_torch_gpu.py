@@ -42,11 +42,11 @@ def test_tiny_gemma4_ffpa_vs_sdpa_logits_and_grads(dtype, monkeypatch):
     ids = torch.randint(0, 128, (2, 48), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     mask = torch.ones(2, 48, dtype=torch.long, device="cuda")
     mask[1, :7] = 0  # left padding
-    errs, calls = gemma.parity(monkeypatch, dict(hidden=128, layers=4, heads=8, kv_heads=4, vocab=128,
+    errs, layers, calls = gemma.parity(monkeypatch, dict(hidden=128, layers=4, heads=8, kv_heads=4, vocab=128,
                                                  sliding_window=16), ids, mask, "cuda", dtype)
-    print(gemma.summary(errs, dtype))
-    assert calls == {"truth": 0, "sdpa": 0, "ffpa": 4}
-    gemma.assert_parity(errs)
+    print(gemma.summary(errs, layers, dtype))
+    assert calls == {"truth": 0, "sdpa": 0, "ffpa": 4, "layer check": 4}
+    gemma.assert_parity(errs, layers)
 
 
 def test_packed_batch_equals_each_document_alone():
