@@ -37,6 +37,53 @@ def enrich(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _ratio_check(rows, method, other, want, where=lambda r: True):
+    """``(rows compared, [(row, ratio) below want])`` for ``method / other`` on the same key."""
+    by_key = {_key(r): r for r in rows if r["method"] == other and r.get("tflops")}
+    n, below = 0, []
+    for r in rows:
+        o = by_key.get(_key(r)) if r["method"] == method and r.get("tflops") and where(r) else None
+        if o is None:
+            continue
+        n += 1
+        ratio = r["tflops"] / o["tflops"]
+        if ratio < want:
+            below.append((r, ratio))
+    return n, below
+
+
+def targets(rows: list[dict]) -> str:
+    """The #6 targets, checked from the rows: a markdown section, every row below target listed."""
+    def name(r):
+        return f"d{r['head_dim']} {r['heads_q']}/{r['heads_kv']} N{r['seqlen']} {'causal ' if r['causal'] is True else ''}{r['pass']}"
+
+    lines = ["## Targets, checked from these rows", "", "| target | rows | below target |", "|---|---|---|"]
+    checks = []
+    for fw in ("xattn.torch", "xattn.jax"):
+        for d in (512, 128, 256):
+            checks.append((f"{fw} >= 98 % of {NATIVE[d]} (d{d}, N >= 4k)", fw, NATIVE[d], 0.98,
+                           lambda r, d=d: r["head_dim"] == d and r["seqlen"] >= 4096 and r.get("part") in ("d512", "small")))
+    checks.append(("d512: xattn.torch >= 3x torch sdpa (N >= 4k)", "xattn.torch", "torch sdpa", 3.0,
+                   lambda r: r["head_dim"] == 512 and r["seqlen"] >= 4096 and r.get("part") == "d512"))
+    for p in ("fwd", "fwd+bwd"):
+        checks.append((f"d512 causal {p}: xattn.jax >= 2.5x jax xla", "xattn.jax", "jax xla", 2.5,
+                       lambda r, p=p: r["head_dim"] == 512 and r["causal"] is True and r["pass"] == p
+                       and r.get("part") == "d512"))
+    for label, method, other, want, where in checks:
+        n, below = _ratio_check(rows, method, other, want, where)
+        listed = ", ".join(f"{name(r)} {ratio:.3f}" for r, ratio in below) or "none"
+        lines.append(f"| {label} | {n} | {listed} |")
+    longest = defaultdict(int)
+    for r in rows:
+        if r.get("part") == "d512" and r.get("tflops") and r["pass"] != "matmul":
+            k = (r["method"], f"{r['heads_q']}/{r['heads_kv']}", r["pass"])
+            longest[k] = max(longest[k], r["seqlen"])
+    lines += ["", "Longest N that ran (d512; the plan stops at 32k):", "",
+              "| method | Hq/Hkv | pass | longest N |", "|---|---|---|---|"]
+    lines += [f"| {m} | {h} | {p} | {n} |" for (m, h, p), n in sorted(longest.items())]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     head = "| method | d | Hq/Hkv | N | causal | pass | ms | TFLOP/s | vs native | % peak | us/call | status |"
     lines = [head, "|" + "---|" * 12]
@@ -95,7 +142,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     with open(args.json) as f:
         rows = enrich(json.load(f))
-    md = markdown(rows)
+    md = targets(rows) + "\n\n## All rows\n\n" + markdown(rows)
     with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
         f.write(md + "\n")
     print(md)

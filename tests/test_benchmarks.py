@@ -34,7 +34,8 @@ def test_full_plan_covers_the_issue():
 
 
 def _rows():
-    base = dict(head_dim=512, heads_q=32, heads_kv=4, causal=True, dtype="bfloat16", device="H200", status="ok")
+    base = dict(head_dim=512, heads_q=32, heads_kv=4, causal=True, dtype="bfloat16", device="H200", status="ok",
+                part="d512")
     rows = [dict(base, method="torch bf16 matmul 8192^3", head_dim=0, seqlen=8192, **{"pass": "matmul"}, ms=1.0, tflops=800.0)]
     for n, nat, ours in ((4096, 380.0, 386.0), (8192, 480.0, 490.0)):
         rows.append(dict(base, method="ffpa_attn native", seqlen=n, **{"pass": "fwd"}, ms=1.0, tflops=nat))
@@ -55,7 +56,18 @@ def test_report_ratios_peak_and_markdown(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(_rows()))
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), str(path)], check=True, capture_output=True)
-    assert (tmp_path / "rows.md").read_text().startswith("| method |")
+    md = (tmp_path / "rows.md").read_text()
+    assert md.startswith("## Targets") and "\n| method |" in md
+
+
+def test_report_targets_list_every_row_below():
+    report = _load("report")
+    rows = _rows() + [dict(_rows()[1], method="xattn.jax", tflops=370.0),  # 370 / 380 < 0.98
+                      dict(_rows()[3], method="xattn.jax", tflops=475.0)]  # 475 / 480 >= 0.98
+    md = report.targets(report.enrich(rows))
+    assert "| xattn.torch >= 98 % of ffpa_attn native (d512, N >= 4k) | 2 | none |" in md
+    assert "| xattn.jax >= 98 % of ffpa_attn native (d512, N >= 4k) | 2 | d512 32/4 N4096 causal fwd 0.974 |" in md
+    assert "| xattn.torch | 32/4 | fwd | 8192 |" in md and "matmul |" not in md.split("Longest")[1]
 
 
 def test_plot(tmp_path):
