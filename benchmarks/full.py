@@ -1,7 +1,7 @@
 """The full comparison (issue #6), GPU machine: xattn vs every alternative, rows into one JSON.
 
     python benchmarks/full.py --part d512 --out benchmarks/results/full_h200.json   # and: small, sliding,
-    python benchmarks/full.py --part small --append ...                              # varlen, host, peak
+    python benchmarks/full.py --part small --append ...                              # varlen, host, peak, fp16
     python benchmarks/full.py --dry-run                                              # list the plan (CPU)
 
 Each part fits one device call; ``--append`` merges into the same file. Rows follow the core
@@ -30,6 +30,7 @@ SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
 SLOW_MS = 1500.0  # a method slower than this per call is not run at twice the N (4x the work; its row says so)
 D512_HEADS = ((32, 4), (16, 16))  # Gemma 4 global layers; MHA
 SMALL = ((128, 16, 16), (256, 32, 16))  # (head_dim, Hq, Hkv)
+DTYPE = "bfloat16"  # of the inputs; main() sets "float16" for the part "fp16"
 
 
 def plan(part: str):
@@ -65,6 +66,11 @@ def plan(part: str):
         rows += [(m, d, 8, 8, 128, False, "fwd") for d, ms in ((512, ("xattn.torch", "xattn.jax", "ffpa_attn native")),
                                                                (128, ("xattn.torch", "xattn.jax", "flash_attn.cute native")))
                  for m in ms]
+    elif part == "fp16":  # the Gemma 4 global layer in fp16 (every other part is bf16); SDPA rows last
+        for methods in (("xattn.torch", "xattn.jax", "ffpa_attn native"), ("torch sdpa",)):
+            for causal in (False, True):
+                for p in ("fwd", "fwd+bwd"):
+                    rows += [(m, 512, 32, 4, 8192, causal, p) for m in methods]
     elif part == "peak":
         rows.append(("torch bf16 matmul 8192^3", 0, 0, 0, 8192, False, "matmul"))
     else:
@@ -133,7 +139,7 @@ def _torch_inputs(d, hq, hkv, n, b=1):
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h: torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    mk = lambda h: torch.randn(b, n, h, d, device="cuda", dtype=getattr(torch, DTYPE), generator=g)  # noqa: E731
     return mk(hq), mk(hkv), mk(hkv)
 
 
@@ -196,8 +202,8 @@ def jax_callable(method, d, hq, hkv, n, causal, pass_):
     import xattn.jax as xj
 
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(ks[0], (1, n, hq, d), jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (1, n, hkv, d), jnp.bfloat16) for kk in ks[1:])
+    q = jax.random.normal(ks[0], (1, n, hq, d), jnp.dtype(DTYPE))
+    k, v = (jax.random.normal(kk, (1, n, hkv, d), jnp.dtype(DTYPE)) for kk in ks[1:])
     scale = 1 / math.sqrt(d)
     if method == "xattn.jax":
         fn = xj.ffpa_attention if d > 256 else xj.flash_attention
@@ -256,7 +262,8 @@ def varlen_callable(method, d, hq, hkv, n, pass_):
 def empty_row(method, d, hq, hkv, n, causal, pass_, device, status):
     """A result row in the core suite's form, not yet timed."""
     return dict(method=method, head_dim=d, causal=causal, batch=1, heads_q=hq, heads_kv=hkv, seqlen=n,
-                dtype="bfloat16", varlen="varlen" in method, **{"pass": pass_}, ms=None, tflops=None,
+                dtype="bfloat16" if pass_ == "matmul" else DTYPE, varlen="varlen" in method, **{"pass": pass_},
+                ms=None, tflops=None,
                 device=device, status=status)
 
 
@@ -313,12 +320,14 @@ def _free():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="d512", choices=["d512", "small", "hf", "sliding", "varlen", "host", "peak"])
+    ap.add_argument("--part", default="d512", choices=["d512", "small", "hf", "sliding", "varlen", "host", "peak", "fp16"])
     ap.add_argument("--out", default="benchmarks/results/full.json")
     ap.add_argument("--append", action="store_true", help="merge into an existing --out file")
     ap.add_argument("--redo", action="store_true", help="with --append: drop this part's earlier rows, measure anew")
     ap.add_argument("--dry-run", action="store_true", help="print the planned rows and exit (no GPU)")
     args = ap.parse_args(argv)
+    global DTYPE
+    DTYPE = "float16" if args.part == "fp16" else "bfloat16"
     rows = plan(args.part)
     if args.part != "peak":  # the % of peak is against a matmul measured in the same run
         rows = plan("peak") + rows

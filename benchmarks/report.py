@@ -55,16 +55,17 @@ def _ratio_check(rows, method, other, want, where=lambda r: True):
 def targets(rows: list[dict]) -> str:
     """The #6 targets, checked from the rows: a markdown section, every row below target listed."""
     def name(r):
-        return f"d{r['head_dim']} {r['heads_q']}/{r['heads_kv']} N{r['seqlen']} {'causal ' if r['causal'] is True else ''}{r['pass']}"
+        return (f"{'fp16 ' if r.get('dtype') == 'float16' else ''}d{r['head_dim']} {r['heads_q']}/{r['heads_kv']} "
+                f"N{r['seqlen']} {'causal ' if r['causal'] is True else ''}{r['pass']}")
 
     lines = ["## Targets, checked from these rows", "", "| target | rows | below target |", "|---|---|---|"]
     checks = []
     for fw in ("xattn.torch", "xattn.jax"):
         for d in (512, 128, 256):
             checks.append((f"{fw} >= 98 % of {NATIVE[d]} (d{d}, N >= 4k)", fw, NATIVE[d], 0.98,
-                           lambda r, d=d: r["head_dim"] == d and r["seqlen"] >= 4096 and r.get("part") in ("d512", "small")))
+                           lambda r, d=d: r["head_dim"] == d and r["seqlen"] >= 4096 and r.get("part") in ("d512", "small", "fp16")))
     checks.append(("d512: xattn.torch >= 3x torch sdpa (N >= 4k)", "xattn.torch", "torch sdpa", 3.0,
-                   lambda r: r["head_dim"] == 512 and r["seqlen"] >= 4096 and r.get("part") == "d512"))
+                   lambda r: r["head_dim"] == 512 and r["seqlen"] >= 4096 and r.get("part") in ("d512", "fp16")))
     for p in ("fwd", "fwd+bwd"):
         checks.append((f"d512 causal {p}: xattn.jax >= 2.5x jax xla", "xattn.jax", "jax xla", 2.5,
                        lambda r, p=p: r["head_dim"] == 512 and r["causal"] is True and r["pass"] == p
@@ -104,7 +105,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     groups = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if r.get("tflops") and r["pass"] != "matmul" and not r.get("varlen") and r.get("part") != "hf":
+        if r.get("tflops") and r["pass"] != "matmul" and not r.get("varlen") and r.get("part") not in ("hf", "fp16"):
             g = (r["head_dim"], r["heads_q"], r["heads_kv"], str(r["causal"]), r["pass"])
             groups[g][r["method"]].append((r["seqlen"], r["tflops"]))
     groups = {g: m for g, m in groups.items() if len({n for pts in m.values() for n, _ in pts}) > 1}

@@ -41,6 +41,8 @@ def specs():
             for varlen in (False, True):
                 add("ffpa", 512, 512, g, causal, varlen)
     add("ffpa", 512, 512, 2, True, dtype="float16", directions=("fwd",))
+    for causal in (False, True):  # benchmarks/full.py --part fp16 (Gemma 4 global layer, Hq 32 / Hkv 4)
+        add("ffpa", 512, 512, 8, causal, dtype="float16")
     for d, dtype in ((320, "bfloat16"), (384, "float16"), (448, "bfloat16")):
         for causal in (False, True):
             add("ffpa", d, d, 2, causal, dtype=dtype)
