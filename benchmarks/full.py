@@ -115,22 +115,28 @@ def host_ms(fn) -> float:
     return host_us_per_call(fn) / 1e3
 
 
-def time_jax(fn, *args) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
+def wall_loop_ms(call, wait) -> float:
+    """Median wall time per call (ms) of back-to-back ``call()``s, ``wait(last result)`` once per
+    round, after warm-up; the JAX stopwatch (``time_jax``), also used on torch by the timing probe."""
+    wait(call())
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    wait(call())
     once = time.perf_counter() - t0
     reps = 3 if once > 1.5 else max(5, min(200, int(0.3 / max(once, 1e-6))))
     ts = []
     for _ in range(5 if reps > 3 else 1):
         t0 = time.perf_counter()
         for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
+            out = call()
+        wait(out)
         ts.append((time.perf_counter() - t0) / reps)
     return statistics.median(ts) * 1e3
+
+
+def time_jax(fn, *args) -> float:
+    import jax
+
+    return wall_loop_ms(lambda: fn(*args), jax.block_until_ready)
 
 
 # --- the methods ------------------------------------------------------------------------------
@@ -263,8 +269,7 @@ def empty_row(method, d, hq, hkv, n, causal, pass_, device, status):
     """A result row in the core suite's form, not yet timed."""
     return dict(method=method, head_dim=d, causal=causal, batch=1, heads_q=hq, heads_kv=hkv, seqlen=n,
                 dtype="bfloat16" if pass_ == "matmul" else DTYPE, varlen="varlen" in method, **{"pass": pass_},
-                ms=None, tflops=None,
-                device=device, status=status)
+                ms=None, tflops=None, device=device, status=status)
 
 
 def run_row(method, d, hq, hkv, n, causal, pass_, device):
@@ -320,7 +325,8 @@ def _free():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="d512", choices=["d512", "small", "hf", "sliding", "varlen", "host", "peak", "fp16"])
+    ap.add_argument("--part", default="d512",
+                    choices=["d512", "small", "hf", "sliding", "varlen", "host", "peak", "fp16"])
     ap.add_argument("--out", default="benchmarks/results/full.json")
     ap.add_argument("--append", action="store_true", help="merge into an existing --out file")
     ap.add_argument("--redo", action="store_true", help="with --append: drop this part's earlier rows, measure anew")

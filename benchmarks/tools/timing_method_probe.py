@@ -5,37 +5,22 @@ flushed between calls) and JAX paths with a wall-clock loop of back-to-back call
 torch paths are timed BOTH ways on the rows where xattn.jax fell below 98 % of native, so the
 JAX loop can be compared with native under the same stopwatch."""
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
-from benchmarks.full import flops, jax_callable, time_jax, time_torch, torch_callable  # noqa: E402
+from benchmarks.full import flops, jax_callable, time_jax, time_torch, torch_callable, wall_loop_ms  # noqa: E402
 
 ROWS = [(128, 16, 16, 8192, False), (128, 16, 16, 8192, True), (128, 16, 16, 16384, False),
         (256, 32, 16, 8192, False), (512, 32, 4, 8192, False)]
 
 
 def time_torch_loop(fn) -> float:
-    """The JAX stopwatch for a torch callable: back-to-back calls, one sync, median of 5 (ms)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    reps = max(5, min(200, int(0.3 / max(time.perf_counter() - t0, 1e-6))))
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) / reps)
-    return statistics.median(ts) * 1e3
+    """The JAX stopwatch for a torch callable (ms)."""
+    return wall_loop_ms(fn, lambda _: torch.cuda.synchronize())
 
 
 def main():

@@ -53,7 +53,8 @@ def parity(monkeypatch, config_kwargs, ids, mask, device, dtype=torch.float16):
 
     def checked_forward(module, query, key, value, attention_mask, *args, **kwargs):
         result = ffpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
-        current[:], outer = ["layer check"], current[0]
+        outer = current[0]
+        current[:] = ["layer check"]
         with torch.enable_grad():
             errs = {}
             for_ref, for_ffpa = ([t.detach().to(dt).requires_grad_() for t in (query, key, value)]
