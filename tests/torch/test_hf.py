@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf_masks import KernelMask  # noqa: E402
 
 from . import gemma, stubs  # noqa: E402
 
@@ -18,38 +19,46 @@ from . import gemma, stubs  # noqa: E402
 def kernels(monkeypatch):
     stubs.install(monkeypatch)
     monkeypatch.setattr(fa, "kernels_available", lambda: None)
-    fa._warned.clear()
+    fa._FALLBACK_WARNED.clear()
 
 
 def test_registration_is_idempotent_and_fills_both_registries():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    fa._registered = False
+    fa._REGISTERED = False
     assert fa.register_ffpa_attention() is True
-    assert fa.register_ffpa_attention() is False
+    assert fa.register_ffpa_attention() is True  # idempotent
     assert AttentionInterface._global_mapping["ffpa"] is fa.ffpa_attention_forward
     assert AttentionMaskInterface._global_mapping["ffpa"] is fa.ffpa_mask
 
 
 def test_setup_checks():
     with pytest.raises(ValueError, match="cp_size"):
-        fa.setup_ffpa_backend(0)
+        fa.setup_ffpa_backend(0, False)
     with pytest.raises(NotImplementedError, match="ring"):
-        fa.setup_ffpa_backend(2)
-    assert fa.setup_ffpa_backend(1, True) in (True, False)  # packed sequences are accepted
+        fa.setup_ffpa_backend(2, False)
+    with pytest.raises(TypeError, match="has_packed_sequence"):
+        fa.setup_ffpa_backend(1, "yes")
+    assert fa.setup_ffpa_backend(1, True) is None  # packed sequences are accepted
 
 
 def test_ffpa_mask_cases():
-    assert fa.ffpa_mask(2, 4, 4) is None
-    assert fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long)) is None
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    m = fa.ffpa_mask(2, 4, 4)
+    assert isinstance(m, KernelMask) and m.causal and not m.varlen
+    m = fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long))
+    assert m.causal and not m.varlen  # all ones: no padding
     pad = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
-    m = fa.ffpa_mask(2, 4, 4, kv_offset=1, attention_mask=pad)
-    assert m is None  # offset 1: the padded slot is outside the kv range
+    m = fa.ffpa_mask(2, 4, 4, q_offset=1, kv_offset=1, attention_mask=pad)
+    assert not m.varlen  # offset 1: the padded slot is outside the kv range
     m = fa.ffpa_mask(2, 5, 5, attention_mask=pad)
-    assert m.dtype == torch.bool and m.tolist() == [[False, True, True, True, True], [True] * 5]
-    four_d = torch.zeros(2, 1, 4, 4)
-    assert fa.ffpa_mask(2, 4, 4, attention_mask=four_d) is four_d
+    assert m.varlen and m.cu_seqlens_q.tolist() == [0, 0, 5, 5, 5, 10, 10]
+    assert m.cu_seqlens_k.tolist() == [0, 1, 5, 5, 5, 10, 10]
+    truth = sdpa_mask(2, 5, 5, mask_function=causal_mask_function, attention_mask=pad.bool(),
+                      allow_is_causal_skip=False)
+    assert torch.equal(m.sdpa_mask(), truth)
 
 
 def _hf_inputs(b=2, hq=4, hkv=2, n=6, d=512, dtype=torch.bfloat16):
@@ -127,7 +136,7 @@ def test_fallbacks_warn_once_per_reason(kernels, caplog, reason, kw):
 def test_sdpa_fallback_with_hf_gqa_module_and_dead_rows(caplog):
     """The fallback leaves GQA to SDPA even when the module carries HF's num_key_value_groups,
     and a left-padded query row that sees no key gives zeros, not NaN."""
-    fa._warned.clear()
+    fa._FALLBACK_WARNED.clear()
     module = _Module()
     module.num_key_value_groups = 2
     q, k, v = _hf_inputs(d=40)  # head_dim 40: no kernel family -> fallback
@@ -143,7 +152,7 @@ def test_sdpa_fallback_with_hf_gqa_module_and_dead_rows(caplog):
 def test_tiny_gemma4_without_kernels_falls_back_and_matches_sdpa(monkeypatch, caplog):
     pytest.importorskip("transformers.models.gemma4")
     monkeypatch.setattr(fa, "kernels_available", lambda: "no GPU (test)")
-    fa._warned.clear()
+    fa._FALLBACK_WARNED.clear()
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0

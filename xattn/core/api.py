@@ -25,7 +25,7 @@ import tvm_ffi
 
 from .cache import get_launcher
 from .checks import Problem, _check_scale, as_tensor, check_attention, check_workspace, quick_check
-from .spec import KernelSpec, supports
+from .spec import KernelSpec, canonical_mask, supports
 from .workspace import bwd_workspace_shapes
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
@@ -55,8 +55,8 @@ def bwd_workspace(family: str, q_shape, k_shape, *, head_dim_v: int | None = Non
     hq, d, hkv = q_shape[-2], q_shape[-1], k_shape[-2]
     if hkv < 1 or hq % hkv:
         raise ValueError(f"k_shape: Hkv={hkv} must divide Hq={hq}")
-    spec = KernelSpec(family, "bwd", "bfloat16", d, head_dim_v or d, hq // hkv, bool(causal), varlen,
-                      *window_size)
+    causal, window_size = _canonical(bool(causal), tuple(window_size))
+    spec = KernelSpec(family, "bwd", "bfloat16", d, head_dim_v or d, hq // hkv, causal, varlen, *window_size)
     reason = supports(spec)
     if reason is not None:
         raise NotImplementedError(reason)
@@ -89,8 +89,17 @@ def _launch(launcher, problem, args, scale, stream, diagnose) -> None:
         raise
 
 
+def _canonical(causal, window):
+    """``causal=True`` plus a left window is the window ``(left, 0)`` (see ``canonical_mask``)."""
+    if type(causal) is not bool or len(window) != 2:
+        return causal, window  # the checks name the bad argument
+    causal, left, right = canonical_mask(causal, *window)
+    return causal, (left, right)
+
+
 def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
          max_seqlen_q, max_seqlen_k, window, stream):
+    causal, window = _canonical(causal, window)
     if stream is not None:
         _check_stream(stream)
     scale = _check_scale(softmax_scale)
@@ -106,6 +115,7 @@ def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seql
 
 def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
          cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, workspace, stream):
+    causal, window = _canonical(causal, window)
     if stream is not None:
         _check_stream(stream)
     scale = _check_scale(softmax_scale)
@@ -169,7 +179,8 @@ def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
 
     Same layouts as :func:`ffpa_fwd`; v/out may have a different head dim Dv.
     ``window_size=(left, right)`` selects sliding-window (local) attention, bottom-right
-    aligned like causal; ``None`` means unbounded on that side.
+    aligned like causal; ``None`` means unbounded on that side. ``causal=True`` with a left
+    window is the window ``(left, 0)`` (causal = right window 0).
     No pre-initialisation needed: every element of out and lse is written.
     """
     _fwd("fa4", q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,

@@ -17,7 +17,7 @@ import hashlib
 from dataclasses import dataclass, field
 from importlib import metadata
 
-__all__ = ["KernelSpec", "supports", "family_for", "library_versions", "FAMILIES", "DTYPES"]
+__all__ = ["KernelSpec", "supports", "family_for", "canonical_mask", "library_versions", "FAMILIES", "DTYPES"]
 
 FAMILIES = ("ffpa", "fa4")
 DIRECTIONS = ("fwd", "bwd")
@@ -170,6 +170,23 @@ def _fa4_reason(spec: KernelSpec) -> str | None:
         if w is not None and (not isinstance(w, int) or w < 0):
             return f"{name} must be a non-negative int or None, got {w!r}"
     return None
+
+
+def canonical_mask(causal: bool, window_left: int | None, window_right: int | None):
+    """One spelling per mask: ``(causal, window_left, window_right)`` as the launchers key them.
+
+    Causal is the window ``(None, 0)``, so ``causal=True`` with a left window becomes the window
+    ``(left, 0)``, and the window ``(None, 0)`` becomes ``causal=True``. A right window > 0 under
+    ``causal=True`` is clipped to 0 (causal already hides those keys). Other values pass through
+    (``supports`` judges them).
+    """
+    if causal and (window_left is not None or window_right is not None):
+        window_right = 0 if window_right is None or (isinstance(window_right, int) and window_right >= 0) \
+            else window_right
+        causal = False
+    if not causal and window_left is None and window_right == 0:
+        return True, None, None
+    return causal, window_left, window_right
 
 
 def family_for(head_dim: int, head_dim_v: int | None = None, sliding: bool = False) -> str | None:

@@ -2,7 +2,8 @@
 
 q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` (or varlen ``[T, H, D]`` with int32
 ``cu_seqlens_q/k`` and ``max_seqlen_q/k``), fp16/bf16 CUDA tensors. Causal and windows are
-bottom-right aligned (FlashAttention). ``family`` defaults by head dim
+bottom-right aligned (FlashAttention); ``window_size=(left, right)``, ``None`` = unbounded, and
+``causal=True`` with a left window is the window ``(left, 0)``. ``family`` defaults by head dim
 (:func:`xattn.core.spec.family_for`); unsupported dims get the core's NotImplementedError.
 """
 
@@ -12,7 +13,7 @@ import math
 
 import torch
 
-from xattn.core.spec import family_for
+from xattn.core.spec import canonical_mask, family_for
 
 from .ops import attention_op
 
@@ -32,7 +33,7 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
     """``(out, lse)``; out is differentiable (lse is not). See the module docstring for layouts."""
     family = family or default_family(q.shape[-1], v.shape[-1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    left, right = window_size
+    causal, left, right = canonical_mask(bool(causal), *window_size)
     varlen = cu_seqlens_q is not None
     if varlen and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("max_seqlen_q/max_seqlen_k: required with cu_seqlens_q/cu_seqlens_k")

@@ -1,22 +1,26 @@
-"""Hugging Face ``attn_implementation="ffpa"``: the attention function, its mask, registration, and
-the low-level SDPA-layout fwd/bwd used by ring attention.
+"""Hugging Face ``attn_implementation="ffpa"`` (a drop-in for NeMo's ``ffpa_attention`` module): the attention
+function, its mask factory, registration, and the low-level SDPA-layout fwd/bwd that ring attention builds on.
 
-HF hands ``query [B, Hq, N, D]`` and ``key/value [B, Hkv, Nk, D]`` (SDPA layout); the kernels take
-``[B, N, H, D]``: the transposed views are passed as they are (no copy, strides allow it).
-Routing in :func:`ffpa_attention_forward`, in order:
+"ffpa" is registered globally, so any HF model may select it; it must give what ``"sdpa"`` gives.
+Run exactly or fall back exactly:
 
-* fp16/bf16, no softcap, no training dropout, explicit ``scaling``, a head dim with a kernel:
-  - packed sequences (``cu_seq_lens_q/k`` + ``max_length_q/k``, or ``position_ids`` that restart)
-    -> varlen, document-causal;
-  - ``attention_mask`` None -> dense (causal per ``is_causal`` / ``module.is_causal``);
-  - 2D bool padding mask -> unpad, varlen, re-pad with zeros;
-  - ``sliding_window`` with head_dim <= 256 -> FA4 local attention (``SLIDING_BACKEND="fa4"``,
-    env ``XATTN_SLIDING_BACKEND``), or FlexAttention with ``"flex"``;
-* a flex ``BlockMask`` -> FlexAttention; anything else -> SDPA (eager math when softcap is set),
-  logged once per reason: ``dtype``, ``softcap``, ``dropout``, ``scaling``, ``ffpa_unavailable``,
-  ``unsupported_mask``.
+* :func:`ffpa_mask` (the mask factory) reads the layer's HF ``mask_function``. Causal, sliding-window
+  (causal or bidirectional), packed-document and padding masks become a
+  :class:`~xattn.torch.hf_masks.KernelMask` (kernel window + varlen segments, built once per forward).
+  Anything else (chunked layers, image-token blocks, custom overlays, right padding that differs
+  per row) gets HF's own SDPA mask, with a warning naming the reason. With
+  ``XATTN_SLIDING_BACKEND=flex`` sliding layers get HF's flex ``BlockMask`` instead.
+* :func:`ffpa_attention_forward` runs a ``KernelMask`` on the kernels (FFPA for head_dim 320-512,
+  FA4 for <= 256 and windows) when dtype, scaling, head dims and options allow; otherwise it falls
+  back exactly: SDPA with the layer's exact mask, the model's own eager function for ``softcap`` or
+  ``s_aux`` sinks, FlexAttention for a ``BlockMask``; each reason is logged once.
+* Without a factory mask (``attention_mask=None``, direct calls): causal per ``is_causal`` /
+  ``module.is_causal``, bottom-right aligned (FlashAttention); ``sliding_window=w`` is HF's
+  FlashAttention convention ``(w-1, 0)`` causal / ``(w-1, w-1)`` not; packed rows from
+  ``cu_seq_lens_q/k`` or restarting ``position_ids`` (batch 1).
 
-Never assumes 1/sqrt(d) (Gemma 4 uses ``scaling=1.0``).
+HF hands ``query [B, Hq, N, D]`` and ``key/value [B, Hkv, Nk, D]`` (SDPA layout); the kernels read
+``[B, N, H, D]`` views of them (no copy). Never assumes 1/sqrt(d) (Gemma 4 uses ``scaling=1.0``).
 """
 
 from __future__ import annotations
@@ -29,23 +33,30 @@ import torch
 
 from xattn.core.spec import family_for
 
+from . import hf_fallback
 from .attention import attention, attention_with_lse, default_family
+from .hf_masks import KernelMask, Pattern, describe, hf_window, plan_hf_mask, plan_without_mask
 from .ops import bwd as _bwd_op
 
-__all__ = ["register_ffpa_attention", "setup_ffpa_backend", "ffpa_attention_forward", "ffpa_mask",
-           "SLIDING_BACKEND"]
+__all__ = ["ffpa_attention_forward", "ffpa_mask", "register_ffpa_attention", "setup_ffpa_backend"]
 
-log = logging.getLogger("xattn")
-SLIDING_BACKEND = os.environ.get("XATTN_SLIDING_BACKEND", "fa4")  # "fa4" or "flex"
-_warned: set[str] = set()
-_registered = False
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+logger = logging.getLogger(__name__)
+SLIDING_BACKEND = os.environ.get("XATTN_SLIDING_BACKEND", "fa4")  # sliding layers on "fa4" kernels or "flex"
+_FFPA_HEAD_DIM = 512
+_VARLEN_WIN_NONE = -2 ** 31  # the seed's "no window" sentinel (xattn's core takes None)
+_FALLBACK_WARNED: set[str] = set()
+_REGISTERED = False
+_FFPA_LOW_LEVEL_READY: bool | None = None
+_SDPA_FN = _FLEX_FN = _EAGER_FN = _FFPA_FN = None
+_CUTEDSL_BACKEND = None
+_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _fallback_once(reason: str, detail: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        log.warning("xattn ffpa: falling back (%s): %s", reason, detail)
+def _warn_once(reason: str, message: str, target: str = "sdpa") -> None:
+    """Log ``falling back (reason) to target: message`` once per reason and process."""
+    if reason not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(reason)
+        logger.warning("xattn ffpa: falling back (%s) to %s: %s", reason, target, message)
 
 
 @functools.cache
@@ -57,220 +68,318 @@ def kernels_available() -> str | None:
     return None if fams["ffpa"]["can_run"] else fams["ffpa"]["why_not_run"]
 
 
-# --- masks and registration ---------------------------------------------------------------
+def _ffpa_low_level_ready() -> bool:
+    """Whether the FFPA kernels (dense fwd/bwd) can run in this process."""
+    global _FFPA_LOW_LEVEL_READY
+    _FFPA_LOW_LEVEL_READY = kernels_available() is None
+    return _FFPA_LOW_LEVEL_READY
+
+
+def _ffpa_varlen_ready() -> bool:
+    """Whether the FFPA varlen kernels can run in this process (the same launchers as dense)."""
+    return _ffpa_low_level_ready()
+
+
+def _get_sdpa():
+    """HF's ``sdpa_attention_forward`` (None without transformers)."""
+    global _SDPA_FN
+    _SDPA_FN = _SDPA_FN or hf_fallback.get_sdpa()
+    return _SDPA_FN
+
+
+def _get_flex():
+    """HF's ``flex_attention_forward`` (None without transformers / FlexAttention)."""
+    global _FLEX_FN
+    _FLEX_FN = _FLEX_FN or hf_fallback.get_flex()
+    return _FLEX_FN
+
+
+def _get_eager():
+    """The generic eager attention used for ``softcap`` / ``s_aux`` when a model has no eager function."""
+    global _EAGER_FN
+    _EAGER_FN = _EAGER_FN or hf_fallback.get_eager()
+    return _EAGER_FN
+
+
+def _ffpa_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
+               enable_gqa: bool = False):
+    """``scaled_dot_product_attention``'s signature on the kernels: ``[B, H, N, D]`` in and out, differentiable.
+
+    ``is_causal`` is bottom-right aligned (as ffpa-attn's ``ffpa_attn_func``); ``attn_mask`` and
+    dropout raise NotImplementedError; Hq != Hkv needs ``enable_gqa=True`` as in SDPA."""
+    if attn_mask is not None:
+        raise NotImplementedError("attn_mask: the kernels take no mask tensor; use is_causal")
+    if dropout_p:
+        raise NotImplementedError(f"dropout_p={dropout_p}: the kernels have no attention dropout")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads, key {key.shape[1]}: pass enable_gqa=True for GQA")
+    out = attention(*(t.transpose(1, 2) for t in (query, key, value)), softmax_scale=scale, causal=is_causal)
+    return out.transpose(1, 2)
+
+
+def _get_ffpa_high_level():
+    """``(sdpa_like_fn, backend)``: the differentiable SDPA-signature function and ``xattn.core``, or
+    ``(None, None)`` where the kernels cannot run."""
+    global _FFPA_FN, _CUTEDSL_BACKEND
+    if not _ffpa_low_level_ready():
+        return None, None
+    import xattn.core
+
+    _FFPA_FN, _CUTEDSL_BACKEND = _ffpa_sdpa, xattn.core
+    return _FFPA_FN, _CUTEDSL_BACKEND
+
+
+def _is_block_mask(mask) -> bool:
+    """True for a flex ``BlockMask``: that layer runs on FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return False
+    return isinstance(mask, BlockMask)
+
+
+# --- the mask factory and registration ------------------------------------------------------
+
+def _sliding_backend() -> str:
+    if SLIDING_BACKEND not in ("fa4", "flex"):
+        raise ValueError(f"XATTN_SLIDING_BACKEND={SLIDING_BACKEND!r}: expected 'fa4' or 'flex'")
+    return SLIDING_BACKEND
+
 
 def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-              mask_function=None, attention_mask=None, dtype=None, **kwargs):
-    """The mask HF builds for "ffpa" layers: ``None`` (no padding) or a 2D bool ``[B, kv_length]``.
+              mask_function=None, attention_mask=None, dtype: torch.dtype = torch.float32, **kwargs):
+    """Mask factory of ``"ffpa"`` (``ALL_MASK_ATTENTION_FUNCTIONS["ffpa"]``), same arguments as HF's ``sdpa_mask``.
 
-    The kernels apply causality and sliding windows themselves; only padding travels as a mask.
-    A mask that is not 2D is passed through unchanged (it routes to SDPA).
+    Returns a :class:`~xattn.torch.hf_masks.KernelMask` for patterns the kernels run exactly, a flex
+    ``BlockMask`` for sliding layers under ``XATTN_SLIDING_BACKEND=flex``, else HF's own SDPA mask
+    (4D bool ``[B, 1, q_length, kv_length]``). ``attention_mask`` is HF's 2D padding mask.
     """
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        return attention_mask
-    keep = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
-    return None if bool(keep.all()) else keep
+    from transformers import masking_utils as mu
+
+    mask_function = mask_function or mu.causal_mask_function
+    device = kwargs.pop("device", attention_mask.device if attention_mask is not None else "cpu")
+    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, device=device)
+    extra = {n: x for n, x in kwargs.items() if n != "allow_is_causal_skip"}
+
+    def hf_sdpa_mask():
+        return mu.sdpa_mask(**args, allow_is_causal_skip=False, **extra)
+
+    pattern = describe(mask_function) if attention_mask is None or attention_mask.dim() == 2 else None
+    if pattern is None:
+        _warn_once("mask_function", f"{getattr(mask_function, '__qualname__', mask_function)} is not a pattern "
+                   "the kernels reproduce exactly (chunked, blockwise or custom masks)")
+        return hf_sdpa_mask()
+    if pattern.left is not None and _sliding_backend() == "flex":
+        return mu.flex_attention_mask(**args, **extra)
+    keep = None
+    if attention_mask is not None:
+        keep = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+    plan = plan_hf_mask(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, keep, device,
+                        hf_sdpa_mask)
+    if isinstance(plan, str):
+        _warn_once("mask", plan)
+        return hf_sdpa_mask()
+    return plan
 
 
 def register_ffpa_attention() -> bool:
-    """Register ``"ffpa"`` in ``AttentionInterface`` and ``AttentionMaskInterface``; True the first time."""
-    global _registered
-    if _registered:
-        return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    """Register ``"ffpa"`` in HF's ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent).
 
+    Returns True once registered (now or before), False when transformers is not installed."""
+    global _REGISTERED
+    if _REGISTERED:
+        return True
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return False
     AttentionInterface.register("ffpa", ffpa_attention_forward)
     AttentionMaskInterface.register("ffpa", ffpa_mask)
-    _registered = True
+    _REGISTERED = True
     return True
 
 
-def setup_ffpa_backend(cp_size: int = 1, has_packed_sequence: bool = False) -> bool:
-    """Validate the parallel setup, then :func:`register_ffpa_attention` (packed sequences are supported)."""
+def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
+    """Check the parallel setup, then register ``"ffpa"`` (packed sequences run on the kernels).
+
+    Raises ValueError/TypeError for bad arguments, NotImplementedError for ``cp_size > 1`` (ring
+    context parallelism is not wired into the HF function yet), ImportError without transformers."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size: expected a positive int, got {cp_size!r}")
-    if cp_size > 1:
-        raise NotImplementedError("cp_size > 1: ring context parallelism for ffpa is not available yet")
     if not isinstance(has_packed_sequence, bool):
         raise TypeError(f"has_packed_sequence: expected a bool, got {type(has_packed_sequence).__name__}")
-    return register_ffpa_attention()
+    if cp_size > 1:
+        raise NotImplementedError("cp_size > 1: ring context parallelism for ffpa is not available yet")
+    if not register_ffpa_attention():
+        raise ImportError("attn_implementation='ffpa' needs transformers: pip install 'transformers>=5'")
 
 
-# --- routing --------------------------------------------------------------------------------
+# --- the attention function -----------------------------------------------------------------
 
-def _fallback_reason(module, query, value, dropout, scaling, softcap, sliding) -> tuple[str, str] | None:
+def _packed_kwargs(kwargs, batch: int, q_len: int):
+    """``((cu_q, cu_k), (max_q, max_k))`` from ``cu_seq_lens_q/k`` or restarting ``position_ids``, else None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or batch != 1:
+            raise ValueError("cu_seq_lens_q/cu_seq_lens_k: give both, with batch size 1 (packed rows)")
+        mq, mk = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        mq = int((cu_q[1:] - cu_q[:-1]).max()) if mq is None else int(mq)
+        mk = int((cu_k[1:] - cu_k[:-1]).max()) if mk is None else int(mk)
+        return (cu_q, cu_k), (mq, mk)
+    pos = kwargs.get("position_ids")
+    if pos is None or batch != 1 or pos.dim() != 2 or pos.shape[-1] != q_len:
+        return None
+    starts = torch.nonzero(pos[0, 1:] - pos[0, :-1] != 1).flatten() + 1  # HF's rule: a step other than +1
+    if starts.numel() == 0:
+        return None
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([q_len])])
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return (bounds, bounds), (longest, longest)
+
+
+def _plan(module, query, key, attention_mask, kwargs) -> KernelMask:
+    """The layer's plan: the factory's mask (plus FA-style ``cu_seq_lens_*`` documents) or one from kwargs."""
+    if isinstance(attention_mask, KernelMask):
+        attention_mask.check(query, key)
+        if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None or attention_mask.varlen:
+            return attention_mask
+        if attention_mask.q_length != attention_mask.kv_length:
+            raise ValueError("cu_seq_lens_q/k: packed documents with a KV cache are not supported")
+        window = attention_mask.window
+    else:
+        window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
+    packed = _packed_kwargs(kwargs, query.shape[0], query.shape[2])
+    return plan_without_mask(query, key, window, *(packed or (None, None)))
+
+
+def _causal(module, kwargs) -> bool:
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
+def _padding_plan(module, query, key, keep, kwargs) -> KernelMask | None:
+    """A 2D padding mask ``[B, Nk]`` (True/1 = real token) from a caller: queries are the last Nq key
+    positions, causality and ``sliding_window`` from kwargs (HF's FlashAttention convention).
+    None (after a warning) where SDPA would differ from the kernels (e.g. uneven right padding)."""
+    left, right = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
+    b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    plan = plan_hf_mask(Pattern(left, right), b, nq, nk, nk - nq, 0, keep.bool(), query.device,
+                        lambda: _padding_sdpa_mask(query, key, keep, kwargs, module))
+    if isinstance(plan, str):
+        _warn_once("mask", plan)
+        return None
+    return plan
+
+
+def _padding_sdpa_mask(query, key, keep, kwargs, module):
+    window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
+    dense = plan_without_mask(query, key, window).sdpa_mask()
+    return dense & keep.bool()[:, None, None, :]
+
+
+def _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs) -> tuple[str, str] | None:
     if query.dtype not in _DTYPES:
         return "dtype", f"{query.dtype} is not float16/bfloat16"
     if softcap is not None:
-        return "softcap", f"softcap={softcap} has no kernel"
+        return "softcap", f"softcap={softcap} has no kernel here"
+    if kwargs.get("s_aux") is not None:
+        return "s_aux", "attention sinks (s_aux) have no kernel"
     if dropout and getattr(module, "training", False):
         return "dropout", f"attention dropout {dropout} while training"
     if scaling is None:
         return "scaling", "no explicit scaling given (never assumed 1/sqrt(d))"
-    if family_for(query.shape[-1], value.shape[-1], sliding) is None:
-        return "ffpa_unavailable", f"no kernel for head dims {query.shape[-1]}/{value.shape[-1]}"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias", "an additive position bias has no kernel"
+    windowed = plan.window not in ((None, None), (None, 0))
+    if family_for(query.shape[-1], value.shape[-1], windowed) is None:
+        what = "with a sliding window " if windowed else ""
+        return "ffpa_unavailable", f"no kernel {what}for head dims {query.shape[-1]}/{value.shape[-1]}"
     why = kernels_available()
     if why is not None:
         return "ffpa_unavailable", why
     return None
 
 
-def _packed_cu_seqlens(kwargs, q_len):
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None:
-        return cu_q.int(), cu_k.int(), int(kwargs.get("max_length_q") or q_len), int(kwargs.get("max_length_k") or q_len)
-    pos = kwargs.get("position_ids")
-    if pos is None or pos.dim() != 2 or pos.shape[0] != 1 or pos.shape[1] != q_len:
-        return None
-    starts = torch.nonzero(pos[0] == 0).flatten()
-    if starts.numel() <= 1:
-        return None  # one document: plain dense causal
-    ends = torch.cat([starts[1:], starts.new_tensor([q_len])])
-    cu = torch.cat([starts.new_zeros(1), ends]).int()
-    max_len = int((ends - starts).max())
-    return cu, cu, max_len, max_len
+def _run_kernels(plan: KernelMask, query, key, value, scaling):
+    """The kernels on ``[B, N, H, D]`` views; returns ``[B, Nq, Hq, Dv]`` contiguous."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    windowed = plan.window not in ((None, None), (None, 0))
+    kw = dict(softmax_scale=scaling, causal=plan.causal, window_size=plan.window if windowed else (None, None),
+              family=family_for(query.shape[-1], value.shape[-1], windowed))
+    if not plan.varlen:
+        return attention(q, k, v, **kw)
+    b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
+    out = attention(q.reshape(b * nq, *q.shape[2:]), k.reshape(b * nk, *k.shape[2:]),
+                    v.reshape(b * nk, *v.shape[2:]), cu_seqlens_q=plan.cu_seqlens_q,
+                    cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
+                    max_seqlen_k=plan.max_seqlen_k, **kw)
+    return out.reshape(b, nq, *out.shape[1:])
 
 
 def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            softcap=None, **kwargs):
-    """HF attention function: returns ``(out [B, N, Hq, Dv] contiguous, None)``; see the module docstring."""
-    sliding = kwargs.get("sliding_window")
-    causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    if sliding is not None and SLIDING_BACKEND == "flex":
-        return _flex(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    reason = _fallback_reason(module, query, value, dropout, scaling, softcap, sliding is not None)
-    if attention_mask is not None and not (attention_mask.dim() == 2 and attention_mask.dtype == torch.bool):
-        if type(attention_mask).__name__ == "BlockMask":
-            return _flex(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-        reason = reason or ("unsupported_mask", f"mask of shape {tuple(attention_mask.shape)} / {attention_mask.dtype}")
+    """HF attention function: query ``[B, Hq, Nq, D]``, key/value ``[B, Hkv, Nk, D/Dv]`` -> ``(out [B, Nq, Hq, Dv]
+    contiguous, None)``; the kernels where exact, else the exact fallback (see the module docstring)."""
+    if _is_block_mask(attention_mask):
+        return hf_fallback.run_flex(module, query, key, value, attention_mask, scaling, softcap, kwargs)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        plan = _padding_plan(module, query, key, attention_mask, kwargs)
+        if plan is None:
+            return _fallback(module, query, key, value, _padding_sdpa_mask(query, key, attention_mask, kwargs, module),
+                             dropout, scaling, softcap, kwargs)
+    elif attention_mask is not None and not isinstance(attention_mask, KernelMask):
+        _warn_once("4d_mask", "a mask tensor from outside the ffpa mask factory runs on SDPA as given")
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs)
+    else:
+        plan = _plan(module, query, key, attention_mask, kwargs)
+    reason = _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs)
     if reason is not None:
-        _fallback_once(*reason)
-        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, softcap, causal, sliding)
-    family = family_for(query.shape[-1], value.shape[-1], sliding is not None)
-    window = (sliding - 1, 0) if sliding is not None else (None, None)
-    causal = causal and sliding is None
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, N, H, D] views, no copy
-    packed = _packed_cu_seqlens(kwargs, q.shape[1]) if q.shape[0] == 1 else None
-    if packed is not None:
-        cu_q, cu_k, mq, mk = packed
-        out = attention(q[0], k[0], v[0], softmax_scale=scaling, causal=True, window_size=window,
-                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, family=family)
-        return out[None], None
-    if attention_mask is None:
-        return attention(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, family=family), None
-    return _padded(q, k, v, attention_mask, scaling, causal, window, family), None
+        _warn_once(*reason, target="eager" if reason[0] in ("softcap", "s_aux") else "sdpa")
+        return _fallback(module, query, key, value, plan.sdpa_mask(), dropout, scaling, softcap, kwargs)
+    return _run_kernels(plan, query, key, value, scaling), None
 
 
-def _padded(q, k, v, keep_k, scaling, causal, window, family):
-    """Unpad by the 2D mask, run varlen, re-pad with zeros. Queries are the last Nq kv positions."""
-    b, nq = q.shape[:2]
-    keep_q = keep_k[:, -nq:]
-    idx_q, idx_k = keep_q.flatten().nonzero().flatten(), keep_k.flatten().nonzero().flatten()
-    lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
-    zero = lens_q.new_zeros(1)
-    cu_q, cu_k = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]), torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
-    qs = q.reshape(b * nq, *q.shape[2:])[idx_q]
-    ks = k.reshape(-1, *k.shape[2:])[idx_k]
-    vs = v.reshape(-1, *v.shape[2:])[idx_k]
-    out = attention(qs, ks, vs, softmax_scale=scaling, causal=causal, window_size=window, cu_seqlens_q=cu_q,
-                    cu_seqlens_k=cu_k, max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()), family=family)
-    full = out.new_zeros(b * nq, *out.shape[1:])
-    full = full.index_copy(0, idx_q, out)
-    return full.reshape(b, nq, *out.shape[1:])
-
-
-def _dense_mask(query, key, attention_mask, causal, sliding):
-    """4D bool [B, 1, Nq, Nk] for the fallbacks (bottom-right causal / window + 2D padding)."""
-    nq, nk = query.shape[2], key.shape[2]
-    i = torch.arange(nq, device=query.device)[:, None] + (nk - nq)
-    j = torch.arange(nk, device=query.device)[None, :]
-    m = torch.ones(nq, nk, dtype=torch.bool, device=query.device)
-    if causal or sliding is not None:
-        m &= j <= i
-    if sliding is not None:
-        m &= j > i - sliding
-    m = m[None, None].expand(query.shape[0], 1, nq, nk)
-    if attention_mask is not None and attention_mask.dim() == 2:
-        m = m & attention_mask[:, None, None, :].bool()
-    elif attention_mask is not None:
-        m = m & attention_mask.bool() if attention_mask.dtype == torch.bool else m
-    return m
-
-
-def _sdpa(module, query, key, value, attention_mask, dropout, scaling, softcap, causal, sliding):
-    """torch SDPA (eager when softcapped) on [B, H, N, D]; returns [B, N, Hq, Dv] contiguous.
-
-    GQA is left to SDPA (``enable_gqa``), never expanded twice. Query rows with no visible key
-    (left padding under a causal mask) give zeros, not NaN."""
-    live = None
-    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype != torch.bool:
-        mask = attention_mask  # an additive float mask from the caller: keep it
-    else:
-        mask = _dense_mask(query, key, attention_mask, causal, sliding)
-        live = mask.any(-1, keepdim=True)  # [B, 1, Nq, 1]
-        mask = mask | ~live  # a dead row attends to everything; its output is zeroed below
-    if softcap is not None:
-        out = _eager_softcap(query, key, value, mask, scaling, softcap)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1]).transpose(1, 2)
-    if live is not None:
-        out = out * live.transpose(1, 2).to(out.dtype)  # [B, Nq, 1, 1]
-    return out.contiguous(), None
-
-
-def _eager_softcap(query, key, value, mask, scaling, softcap):
-    """Softcapped attention in fp32 scores on [B, H, N, D]; returns [B, N, Hq, Dv] contiguous."""
-    g = query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    s = torch.matmul(query, k.transpose(-1, -2)).float() * scale
-    s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(value.dtype)
-    return torch.matmul(p, v).transpose(1, 2).contiguous()
-
-
-def _flex(module, query, key, value, attention_mask, scaling, softcap, kwargs):
-    from transformers.integrations.flex_attention import flex_attention_forward
-
-    out, _ = flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                    softcap=softcap, **kwargs)
-    return out, None
+def _fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        return hf_fallback.run_eager(module, query, key, value, mask, dropout, scaling, softcap, kwargs)
+    return hf_fallback.run_sdpa(module, query, key, value, mask, dropout, scaling, kwargs)
 
 
 # --- low level (SDPA layout), building blocks of ring attention -------------------------------
 
-def _ffpa_dense_fwd(query, key, value, scaling: float, causal: bool = True):
-    """query ``[B, Hq, N, D]``, key/value ``[B, Hkv, Nk, D]`` -> ``(out [B, Hq, N, D], lse [B, Hq, N] fp32)``."""
-    out, lse = attention_with_lse(*(t.transpose(1, 2) for t in (query, key, value)), softmax_scale=scaling,
-                                  causal=causal, family=default_family(query.shape[-1]))
+def _ffpa_dense_fwd(q, k, v, scale: float, causal: bool):
+    """Forward on SDPA layout: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]`` -> ``(out [B, Hq, Nq, D], lse [B, Hq, Nq]
+    fp32)``. GQA and causal (bottom-right aligned) handled; results are not differentiable (the caller
+    merges out/lse and calls :func:`_ffpa_dense_bwd`)."""
+    with torch.no_grad():
+        out, lse = attention_with_lse(*(t.transpose(1, 2) for t in (q, k, v)), softmax_scale=scale, causal=causal,
+                                      family=default_family(q.shape[-1], v.shape[-1]))
     return out.transpose(1, 2), lse
 
 
-def _ffpa_dense_bwd(dout, query, key, value, out, lse, scaling: float, causal: bool = True):
-    """Gradients from the caller's ``out``/``lse`` (SDPA layout); dk/dv are reduced to Hkv heads."""
-    t = [x.transpose(1, 2) for x in (dout, query, key, value, out)]
-    dq, dk, dv = _bwd_op(t[0].contiguous(), t[1], t[2], t[3], t[4], lse, default_family(query.shape[-1]), float(scaling),
-                         causal, -1, -1, None, None, 0, 0)
+def _ffpa_dense_bwd(grad_out, q, k, v, out, lse, scale: float, causal: bool):
+    """Backward from the caller's ``out``/``lse`` (e.g. ring-merged), SDPA layout: ``(dq, dk, dv)`` ``[B, H, N, D]``
+    with dk/dv reduced to the Hkv heads."""
+    t = [x.transpose(1, 2) for x in (grad_out, q, k, v, out)]
+    dq, dk, dv = _bwd_op(t[0].contiguous(), t[1], t[2], t[3], t[4], lse, default_family(q.shape[-1], v.shape[-1]),
+                         float(scale), bool(causal), -1, -1, None, None, 0, 0)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _ffpa_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scaling: float,
-                     causal: bool = True):
-    """Packed THD: ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
-    return attention_with_lse(q, k, v, softmax_scale=scaling, causal=causal, cu_seqlens_q=cu_seqlens_q,
-                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                              family=default_family(q.shape[-1]))
+def _ffpa_varlen_fwd(q_pack, k_pack, v_pack, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    """Packed THD forward: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, int32 ``cu_q/cu_k [S + 1]`` ->
+    ``(out [Tq, Hq, D], lse [Hq, Tq] fp32)``, not differentiable."""
+    with torch.no_grad():
+        return attention_with_lse(q_pack, k_pack, v_pack, softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q,
+                                  cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
+                                  family=default_family(q_pack.shape[-1], v_pack.shape[-1]))
 
 
-def _ffpa_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                     scaling: float, causal: bool = True):
-    """Packed THD gradients from the caller's ``out``/``lse``."""
-    return _bwd_op(dout.contiguous(), q, k, v, out, lse, default_family(q.shape[-1]), float(scaling), causal, -1, -1,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+def _ffpa_varlen_bwd(grad_out_pack, q_pack, k_pack, v_pack, out_pack, lse_pack, cu_q, cu_k, max_q: int, max_k: int,
+                     scale: float, causal: bool):
+    """Packed THD backward from the caller's ``out_pack``/``lse_pack``: ``(dq [Tq, Hq, D], dk, dv [Tk, Hkv, D])``."""
+    return _bwd_op(grad_out_pack.contiguous(), q_pack, k_pack, v_pack, out_pack, lse_pack,
+                   default_family(q_pack.shape[-1], v_pack.shape[-1]), float(scale), bool(causal), -1, -1,
+                   cu_q, cu_k, int(max_q), int(max_k))

@@ -1,0 +1,105 @@
+"""Exact fallbacks of the ``"ffpa"`` attention function: HF's own SDPA function, the model's own eager
+function (softcap, attention sinks), and HF's FlexAttention function (flex ``BlockMask`` layers).
+
+All take and return what HF's attention interface does: query ``[B, Hq, Nq, D]``, key/value
+``[B, Hkv, Nk, D/Dv]``, and return ``(out [B, Nq, Hq, Dv] contiguous, None)``. Masks are the exact
+4D masks ``[B, 1, Nq, Nk]`` (bool, True = attend; or a caller's additive float mask).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = ["get_sdpa", "get_flex", "get_eager", "run_sdpa", "run_eager", "run_flex", "eager_attention_forward"]
+
+
+def get_sdpa():
+    """HF's ``sdpa_attention_forward``, or None without transformers."""
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:
+        return None
+    return sdpa_attention_forward
+
+
+def get_flex():
+    """HF's ``flex_attention_forward``, or None where transformers or FlexAttention is missing."""
+    try:
+        from transformers.integrations.flex_attention import flex_attention_forward
+    except ImportError:
+        return None
+    return flex_attention_forward
+
+
+def get_eager():
+    """xattn's generic eager attention (softcap and ``s_aux`` sinks), HF signature."""
+    return eager_attention_forward
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                            softcap=None, s_aux=None, **kwargs):
+    """Attention in fp32 scores: ``tanh`` softcap, optional per-head sink logits ``s_aux [Hq]`` (their
+    probability mass is dropped, as in gpt-oss), a bool (True = attend) or additive 4D mask."""
+    g = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    s = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if attention_mask is not None:
+        s = s.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+            else s + attention_mask.float()
+    if s_aux is not None:
+        sink = s_aux.float().reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    p = torch.nn.functional.dropout(p.nan_to_num(0.0), p=dropout, training=getattr(module, "training", False))
+    return torch.matmul(p.to(v.dtype), v).transpose(1, 2).contiguous(), None
+
+
+def _model_eager(module):
+    """The eager function of the module's own modeling file (what ``attn_implementation="eager"`` runs)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return fn if callable(fn) else eager_attention_forward
+
+
+def _expand_gqa(module, query, key, value):
+    """HF's SDPA function expands GQA by ``module.num_key_value_groups``; do it for modules without it."""
+    g = query.shape[1] // key.shape[1]
+    if g > 1 and getattr(module, "num_key_value_groups", 1) != g:
+        return key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    return key, value
+
+
+def run_sdpa(module, query, key, value, mask, dropout, scaling, kwargs):
+    """HF's SDPA function with ``mask`` as given (``None`` only when the caller gave none)."""
+    sdpa = get_sdpa()
+    key, value = _expand_gqa(module, query, key, value)
+    if sdpa is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                               scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    kwargs = {n: x for n, x in kwargs.items() if n not in ("softcap", "s_aux")}
+    return sdpa(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def run_eager(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
+    """The model's own eager function (additive float mask, as HF's eager masks are)."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    out, _ = _model_eager(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                  softcap=softcap, **kwargs)
+    return out.contiguous(), None
+
+
+def run_flex(module, query, key, value, block_mask, scaling, softcap, kwargs):
+    """HF's FlexAttention function on a ``BlockMask`` (it applies exactly what the block mask carries)."""
+    flex = get_flex()
+    if flex is None:
+        raise ImportError("a flex BlockMask needs transformers' flex_attention_forward (torch >= 2.5)")
+    out, _ = flex(module, query, key, value, block_mask, scaling=scaling, softcap=softcap, **kwargs)
+    return out, None

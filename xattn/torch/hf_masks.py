@@ -1,0 +1,318 @@
+"""Hugging Face masks in kernel terms: what a layer's mask means, and the launch plan that runs it exactly.
+
+Every HF mask is built from a ``mask_function(batch_idx, head_idx, q_idx, kv_idx) -> bool`` that
+``transformers.masking_utils`` composes (causal, sliding window, packed documents, padding, ...).
+:func:`describe` reads the compositions whose meaning the kernels reproduce exactly and returns a
+:class:`Pattern`; for anything else (chunked layers, image-token blocks, custom ``or_``/``and_``
+overlays) it returns ``None`` and the caller gives SDPA HF's own mask.
+
+:class:`KernelMask` is what ``ffpa_mask`` hands the attention function for every layer of a
+forward: the kernel window (bottom-right aligned), and for padded or packed batches the varlen
+segments (``cu_seqlens``, built once per forward, not per layer), plus the exact SDPA mask for
+the layers that must fall back.
+
+Positions: query ``i`` of a call sits at ``q_offset + i``, key ``j`` at ``kv_offset + j``. A
+:class:`Pattern` ``(left, right)`` lets a query at position ``p`` see keys at ``p - left .. p + right``
+(``None`` = unbounded; causal is ``(None, 0)``), within its document when ``doc_ids`` is set.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Pattern", "KernelMask", "describe", "hf_window", "plan_hf_mask", "plan_without_mask"]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Key window around each query position (``None`` = unbounded) and, for packed rows, ``doc_ids [B, N]``."""
+
+    left: int | None
+    right: int | None
+    doc_ids: torch.Tensor | None = None
+
+
+class _Unknown(Exception):
+    pass
+
+
+@functools.cache
+def _hf_kinds() -> dict:
+    """Code object -> kind, for the mask-function builders of the installed transformers."""
+    from transformers import masking_utils as mu
+
+    makers = {
+        "and": lambda: mu.and_masks(mu.causal_mask_function),
+        "sliding": lambda: mu.sliding_window_overlay(1),
+        "sliding_bidirectional": lambda: mu.sliding_window_bidirectional_overlay(1),
+        "packed": lambda: mu.packed_sequence_mask_function(None),
+        "remap": lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None),
+    }
+    kinds = {mu.causal_mask_function.__code__: "causal", mu.bidirectional_mask_function.__code__: "bidirectional"}
+    for kind, make in makers.items():
+        try:
+            kinds[make().__code__] = kind
+        except AttributeError:  # a builder this transformers version does not have
+            pass
+    return kinds
+
+
+def _free(fn, name: str):
+    try:
+        return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+    except (AttributeError, ValueError, TypeError, IndexError) as exc:
+        raise _Unknown from exc
+
+
+def _window_arg(fn, minimum: int) -> int:
+    w = _free(fn, "sliding_window")
+    if isinstance(w, bool) or not isinstance(w, int) or w < minimum:
+        raise _Unknown
+    return w
+
+
+def _tighter(a, b):
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _describe(fn) -> tuple:
+    """``(left, right, doc_ids, remapped)`` of one mask function; raises _Unknown."""
+    kind = _hf_kinds().get(getattr(fn, "__code__", None))
+    if kind == "causal":
+        return None, 0, None, False
+    if kind == "bidirectional":
+        return None, None, None, False
+    if kind == "sliding":  # kv > q - w
+        return _window_arg(fn, 1) - 1, None, None, False
+    if kind == "sliding_bidirectional":  # |q - kv| <= w
+        w = _window_arg(fn, 0)
+        return w, w, None, False
+    if kind == "packed":
+        return None, None, _free(fn, "packed_sequence_mask"), False
+    if kind == "remap":  # positions instead of indices: the same for a pattern of q - kv within a document
+        left, right, docs, _ = _describe(_free(fn, "mask_function"))
+        if docs is not None:
+            raise _Unknown
+        return left, right, None, True
+    if kind == "and":
+        left = right = docs = None
+        remapped = False
+        for part in _free(fn, "mask_functions"):
+            pl, pr, pd, prm = _describe(part)
+            left, right, remapped = _tighter(left, pl), _tighter(right, pr), remapped or prm
+            if pd is not None:
+                if docs is not None:
+                    raise _Unknown
+                docs = pd
+        return left, right, docs, remapped
+    raise _Unknown
+
+
+def describe(mask_function) -> Pattern | None:
+    """The :class:`Pattern` of an HF mask function, or ``None`` when the kernels cannot reproduce it exactly.
+
+    Recognised: ``causal_mask_function``, ``bidirectional_mask_function``, the sliding-window
+    overlays (causal and bidirectional), packed documents (``packed_sequence_mask_function``, with
+    ``remap_positions_for_packed_sequence``), and ``and_masks`` of these. Everything else -> None.
+    """
+    if mask_function is None:
+        from transformers.masking_utils import causal_mask_function as mask_function
+    try:
+        left, right, docs, remapped = _describe(mask_function)
+    except _Unknown:
+        return None
+    if remapped and docs is None:
+        return None  # positions remapped without document boundaries: not a pure function of q - kv
+    if left is not None and right is not None and left + right < 0:
+        return None  # sees nothing: leave it to SDPA
+    if docs is not None and (not isinstance(docs, torch.Tensor) or docs.dim() != 2):
+        return None
+    return Pattern(left, right, docs)
+
+
+@dataclass(eq=False)
+class KernelMask:
+    """The launch plan of every layer that shares one HF mask (built once per forward).
+
+    ``window`` is the kernels' ``(left, right)``, relative to the bottom-right diagonal of each
+    (segment of a) call. ``cu_seqlens_q/k`` (int32 on the device, ``max_seqlen_q/k`` ints) make the
+    call varlen over ``[B * Nq]`` queries and ``[B * Nk]`` keys: the key segments tile the keys
+    (zero-query segments skip padding), so no gather is needed. ``sdpa_mask()`` is the exact 4D
+    bool mask ``[B, 1, Nq, Nk]`` that SDPA would use (for layers that fall back).
+    """
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    window: tuple[int | None, int | None]
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    description: str = ""
+    _materialize: object = field(default=None, repr=False)
+    _sdpa: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def causal(self) -> bool:
+        return self.window == (None, 0)
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def check(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Raise ValueError unless query ``[B, H, Nq, D]`` / key ``[B, H, Nk, D]`` match the mask's sizes."""
+        want = (self.batch_size, self.q_length, self.kv_length)
+        got = (query.shape[0], query.shape[2], key.shape[2])
+        if want != got:
+            raise ValueError(f"attention_mask: built for (batch, q_length, kv_length) = {want}, but the layer "
+                             f"passes query/key of {got}")
+
+    def sdpa_mask(self) -> torch.Tensor:
+        """The exact SDPA mask ``[B, 1, Nq, Nk]`` (bool, True = attend), built on first use."""
+        if self._sdpa is None:
+            self._sdpa = self._materialize()
+        return self._sdpa
+
+
+def _shifted(left, right, shift: int):
+    """The pattern's window seen from the bottom-right diagonal that sits ``shift`` keys left of it."""
+    wl = None if left is None else left - shift
+    wr = None if right is None else right + shift
+    if (wl is not None and wl < 0) or (wr is not None and wr < 0):
+        return None
+    return wl, wr
+
+
+def _cu(lengths: list[int], device) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def _packed_plan(pattern: Pattern, b: int, n: int, device):
+    """Segments = runs of equal document ids in each row (one host sync)."""
+    ids = pattern.doc_ids.to(device)
+    starts = torch.ones(b, n, dtype=torch.bool, device=device)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    flat = torch.nonzero(starts.flatten()).flatten().tolist() + [b * n]
+    lens = [e - s for s, e in zip(flat[:-1], flat[1:])]
+    cu = _cu(lens, device)
+    return dict(window=(pattern.left, pattern.right), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                max_seqlen_k=max(lens), description=f"packed: {len(lens)} documents")
+
+
+def _padded_plan(pattern: Pattern, keep: torch.Tensor, nq: int, base: int):
+    """Each row's kept keys must be one contiguous run; all queries stay (dead rows come out 0)."""
+    b, nk = keep.shape
+    idx = torch.arange(nk, device=keep.device)
+    count = keep.sum(1)
+    first = torch.where(keep, idx, nk).amin(1)
+    last = torch.where(keep, idx, -1).amax(1) + 1
+    rows = torch.stack([count, first, last]).tolist()
+    window = (pattern.left, pattern.right)
+    shifts = set()
+    for cnt, a, e in zip(*rows):
+        if cnt and cnt != e - a:
+            return "padding that is not one contiguous run of keys per row"
+        if cnt:
+            shifts.add(base + nq - e)
+    if window != (None, None):
+        if len(shifts) > 1:
+            return ("rows padded on the right by different amounts (SDPA lets padded query rows see real keys; "
+                    "pad on the left to stay on the kernels)")
+        window = _shifted(pattern.left, pattern.right, shifts.pop() if shifts else 0)
+        if window is None:
+            return "query/key offsets the kernel window cannot express"
+    q_lens, k_lens = [], []
+    for cnt, a, e in zip(*rows):
+        a, e = (a, e) if cnt else (0, 0)
+        q_lens += [0, nq, 0] if cnt else [nq, 0]
+        k_lens += [a, e - a, nk - e] if cnt else [0, nk]
+    return dict(window=window, cu_seqlens_q=_cu(q_lens, keep.device), cu_seqlens_k=_cu(k_lens, keep.device),
+                max_seqlen_q=nq, max_seqlen_k=max(k_lens), description=f"padded: {b} rows")
+
+
+def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: int, q_offset: int,
+                 kv_offset: int, keep: torch.Tensor | None, device, materialize) -> KernelMask | str:
+    """The :class:`KernelMask` that runs ``pattern`` exactly on these sizes, or why none can (a string).
+
+    ``keep [B, kv_length]`` bool is the padding mask over this call's keys (True = real token) or
+    None; ``materialize()`` returns HF's own SDPA mask for the same arguments. At most one host sync.
+    """
+    base = q_offset - kv_offset  # key j is visible to query i iff i + base - left <= j <= i + base + right
+    sizes = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, _materialize=materialize)
+    if keep is not None and bool(keep.all()):
+        keep = None
+    if pattern.doc_ids is not None:
+        if keep is not None or q_length != kv_length or base != 0 or \
+                tuple(pattern.doc_ids.shape) != (batch_size, q_length):
+            return "packed documents together with padding or a cache"
+        return KernelMask(**sizes, **_packed_plan(pattern, batch_size, q_length, device))
+    if keep is None:
+        window = _shifted(pattern.left, pattern.right, base - (kv_length - q_length))
+        if window is None:
+            return "query/key offsets the kernel window cannot express"
+        return KernelMask(**sizes, window=window, description="dense")
+    plan = _padded_plan(pattern, keep.bool(), q_length, base)
+    return plan if isinstance(plan, str) else KernelMask(**sizes, **plan)
+
+
+def _doc_index(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment of each row, its index within the segment) for ``[total]`` packed rows."""
+    t = torch.arange(total, device=cu.device)
+    seg = torch.searchsorted(cu[1:].long(), t, right=True)
+    return seg, t - cu.long()[seg]
+
+
+def _varlen_mask(cu_q, cu_k, nq: int, nk: int, left, right) -> torch.Tensor:
+    """``[1, 1, Tq, Tk]`` bool for varlen segments, bottom-right aligned per segment."""
+    sq, iq = _doc_index(cu_q, nq)
+    sk, jk = _doc_index(cu_k, nk)
+    lq, lk = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    rel = jk[None, :] - iq[:, None] - (lk - lq)[sq][:, None]  # key minus the query's diagonal key
+    m = sq[:, None] == sk[None, :]
+    if left is not None:
+        m &= rel >= -left
+    if right is not None:
+        m &= rel <= right
+    return m[None, None]
+
+
+def hf_window(causal: bool, sliding_window) -> tuple[int | None, int | None]:
+    """HF's FlashAttention convention for ``sliding_window=w``: ``(w - 1, 0)`` causal, ``(w - 1, w - 1)`` not."""
+    left = None if sliding_window is None else int(sliding_window) - 1
+    return left, 0 if causal else left
+
+
+def plan_without_mask(query: torch.Tensor, key: torch.Tensor, window, cu_seqlens=None,
+                      max_lengths=None) -> KernelMask:
+    """The plan of a call that got no mask from the ``"ffpa"`` factory, or FA-style documents.
+
+    ``window`` is bottom-right aligned (FlashAttention; causal = ``(None, 0)``). ``cu_seqlens=(cu_q,
+    cu_k)`` with ``max_lengths=(max_q, max_k)`` (batch 1) make the documents varlen segments.
+    """
+    b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    left, right = window
+    sizes = dict(batch_size=b, q_length=nq, kv_length=nk, window=(left, right))
+    if cu_seqlens is None:
+        def materialize():
+            i = torch.arange(nq, device=query.device)[:, None] + (nk - nq)
+            rel = torch.arange(nk, device=query.device)[None, :] - i
+            m = torch.ones(nq, nk, dtype=torch.bool, device=query.device)
+            if left is not None:
+                m &= rel >= -left
+            if right is not None:
+                m &= rel <= right
+            return m[None, None].expand(b, 1, nq, nk)
+        return KernelMask(**sizes, _materialize=materialize, description="dense (no mask)")
+    cu_q, cu_k = (c.to(device=query.device, dtype=torch.int32) for c in cu_seqlens)
+    max_q, max_k = max_lengths
+    return KernelMask(**sizes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
+                      max_seqlen_k=int(max_k), description="packed (cu_seqlens)",
+                      _materialize=lambda: _varlen_mask(cu_q, cu_k, nq, nk, left, right))
