@@ -304,6 +304,7 @@ def _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwar
 
 def _run_kernels(plan: KernelMask, query, key, value, scaling):
     """The kernels on ``[B, N, H, D]`` views; returns ``[B, Nq, Hq, Dv]`` contiguous."""
+    key, value = (t[:, :, plan.kv_start:plan.kv_stop] for t in (key, value))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     windowed = plan.window not in ((None, None), (None, 0))
     kw = dict(softmax_scale=scaling, causal=plan.causal, window_size=plan.window if windowed else (None, None),

@@ -138,8 +138,9 @@ class KernelMask:
     """The launch plan of every layer that shares one HF mask (built once per forward).
 
     ``window`` is the kernels' ``(left, right)``, relative to the bottom-right diagonal of each
-    (segment of a) call. ``cu_seqlens_q/k`` (int32 on the device, ``max_seqlen_q/k`` ints) make the
-    call varlen over ``[B * Nq]`` queries and ``[B * Nk]`` keys: the key segments tile the keys
+    (segment of a) call on keys ``kv_start:kv_stop`` (the others are invisible to every query).
+    ``cu_seqlens_q/k`` (int32 on the device, ``max_seqlen_q/k`` ints) make the call varlen over
+    ``[B * Nq]`` queries and ``[B * Nk]`` keys (Nk = the kept key range): the key segments tile the keys
     (zero-query segments skip padding), so no gather is needed. ``sdpa_mask()`` is the exact 4D
     bool mask ``[B, 1, Nq, Nk]`` that SDPA would use (for layers that fall back).
     """
@@ -152,6 +153,8 @@ class KernelMask:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    kv_start: int = 0
+    kv_stop: int | None = None
     description: str = ""
     _materialize: object = field(default=None, repr=False)
     _sdpa: torch.Tensor | None = field(default=None, repr=False)
@@ -238,12 +241,21 @@ def _padded_plan(pattern: Pattern, keep: torch.Tensor, nq: int, base: int):
                 max_seqlen_q=nq, max_seqlen_k=max(k_lens), description=f"padded: {b} rows")
 
 
+def _visible_keys(left, right, base: int, nq: int, nk: int) -> tuple[int, int]:
+    """``[start, stop)``: the keys some query can see (key j is visible to query i only if
+    ``i + base - left <= j <= i + base + right``); the rest need not reach the kernels."""
+    stop = nk if right is None else max(0, min(nk, nq + base + right))
+    start = 0 if left is None else max(0, min(stop, base - left))
+    return start, stop
+
+
 def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: int, q_offset: int,
                  kv_offset: int, keep: torch.Tensor | None, device, materialize) -> KernelMask | str:
     """The :class:`KernelMask` that runs ``pattern`` exactly on these sizes, or why none can (a string).
 
     ``keep [B, kv_length]`` bool is the padding mask over this call's keys (True = real token) or
-    None; ``materialize()`` returns HF's own SDPA mask for the same arguments. At most one host sync.
+    None; ``materialize()`` returns HF's own SDPA mask for the same arguments. Keys no query can see
+    (e.g. empty static-cache slots) are cut off (``kv_start/kv_stop``). At most one host sync.
     """
     base = q_offset - kv_offset  # key j is visible to query i iff i + base - left <= j <= i + base + right
     sizes = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, _materialize=materialize)
@@ -254,8 +266,16 @@ def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: in
                 tuple(pattern.doc_ids.shape) != (batch_size, q_length):
             return "packed documents together with padding or a cache"
         return KernelMask(**sizes, **_packed_plan(pattern, batch_size, q_length, device))
+    start, stop = _visible_keys(pattern.left, pattern.right, base, q_length, kv_length)
+    if stop <= start:
+        return "no query sees any key"
+    sizes.update(kv_start=start, kv_stop=stop)
+    base, nk = base - start, stop - start
+    if keep is not None:
+        keep = keep[:, start:stop]
+        keep = None if bool(keep.all()) else keep
     if keep is None:
-        window = _shifted(pattern.left, pattern.right, base - (kv_length - q_length))
+        window = _shifted(pattern.left, pattern.right, base - (nk - q_length))
         if window is None:
             return "query/key offsets the kernel window cannot express"
         return KernelMask(**sizes, window=window, description="dense")

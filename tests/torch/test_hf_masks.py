@@ -1,0 +1,155 @@
+"""The "ffpa" mask factory is exact: for every mask HF builds (causal, sliding, bidirectional, packed,
+padding, KV-cache offsets), what the kernels would attend to under the returned KernelMask equals
+HF's own SDPA mask, element for element; everything else falls back to that very mask."""
+
+import logging
+import random
+
+import pytest
+import torch
+
+mu = pytest.importorskip("transformers.masking_utils")
+
+from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf_masks import KernelMask, describe  # noqa: E402
+
+
+def kernel_visibility(plan: KernelMask) -> torch.Tensor:
+    """``[B, Nq, Nk]`` bool: what the kernels attend to under ``plan`` (bottom-right windows per segment)."""
+    b, nq = plan.batch_size, plan.q_length
+    stop = plan.kv_length if plan.kv_stop is None else plan.kv_stop
+    nk = stop - plan.kv_start
+    left, right = plan.window
+    vis = torch.zeros(b * nq, b * nk, dtype=torch.bool)
+    if plan.varlen:
+        cq, ck = plan.cu_seqlens_q.tolist(), plan.cu_seqlens_k.tolist()
+        segments = list(zip(cq[:-1], cq[1:], ck[:-1], ck[1:]))
+    else:
+        segments = [(r * nq, (r + 1) * nq, r * nk, (r + 1) * nk) for r in range(b)]
+    for q0, q1, k0, k1 in segments:
+        lq, lk = q1 - q0, k1 - k0
+        for i in range(lq):
+            for j in range(lk):
+                rel = j - (i + lk - lq)
+                if (left is None or rel >= -left) and (right is None or rel <= right):
+                    vis[q0 + i, k0 + j] = True
+    blocks = vis.reshape(b, nq, b, nk)
+    assert not any(blocks[r, :, s].any() for r in range(b) for s in range(b) if r != s), "crosses rows"
+    full = torch.zeros(b, nq, plan.kv_length, dtype=torch.bool)
+    full[:, :, plan.kv_start:stop] = torch.stack([blocks[r, :, r] for r in range(b)])
+    return full
+
+
+def hf_truth(**args) -> torch.Tensor:
+    return mu.sdpa_mask(**args, allow_is_causal_skip=False)[:, 0]
+
+
+def _padding(rng, b, length, side):
+    keep = torch.ones(b, length, dtype=torch.long)
+    for r in range(b):
+        n = rng.randrange(0, length // 2 + 1)
+        if side == "left" and n:
+            keep[r, :n] = 0
+        elif side == "right" and n:
+            keep[r, -n:] = 0
+    return keep
+
+
+def _mask_function(rng, kind):
+    w = rng.randrange(1, 6)
+    return {"causal": mu.causal_mask_function,
+            "sliding": mu.sliding_window_causal_mask_function(w),
+            "bidirectional": mu.bidirectional_mask_function,
+            "sliding_bidirectional": mu.sliding_window_bidirectional_mask_function(w)}[kind]
+
+
+CASES = [(kind, side, cache) for kind in ("causal", "sliding", "bidirectional", "sliding_bidirectional")
+         for side in ("none", "left", "right") for cache in ("none", "dynamic", "static")]
+
+
+@pytest.mark.parametrize("kind, side, cache", CASES, ids=["-".join(c) for c in CASES])
+def test_factory_equals_hf_sdpa_mask(kind, side, cache, caplog):
+    """Random sizes per case; the KernelMask must reproduce HF's mask exactly, or the factory must
+    return HF's mask itself (with a warning naming why)."""
+    rng = random.Random(hash((kind, side, cache)) % 1000)
+    routed = 0
+    for _ in range(12):
+        b, nq = rng.randrange(1, 4), rng.randrange(1, 9)
+        past = 0 if cache == "none" else rng.randrange(1, 8)
+        kv_len = nq + past + (rng.randrange(1, 6) if cache == "static" else 0)
+        seen = nq + past
+        keep = None if side == "none" else _padding(rng, b, seen, side)
+        if keep is not None and cache == "static":
+            keep = keep  # shorter than kv_len: HF pads it with zeros (empty cache slots)
+        args = dict(batch_size=b, q_length=nq, kv_length=kv_len, q_offset=past, kv_offset=0,
+                    mask_function=_mask_function(rng, kind),
+                    attention_mask=None if keep is None else keep.bool())
+        truth = hf_truth(**args)
+        fa._FALLBACK_WARNED.clear()
+        with caplog.at_level(logging.WARNING):
+            got = fa.ffpa_mask(**args)
+        if isinstance(got, KernelMask):
+            routed += 1
+            assert torch.equal(kernel_visibility(got), truth), (args, got)
+            assert torch.equal(got.sdpa_mask()[:, 0], truth)
+        else:
+            assert torch.equal(got[:, 0], truth) and "falling back" in caplog.text
+    if side != "right" or kind.startswith("bidirectional"):
+        assert routed >= 6, f"only {routed}/12 masks reached the kernels"
+
+
+def test_packed_documents_from_position_ids_are_exact():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0, 1, 2]])
+    psm = mu.find_packed_sequence_indices(pos)
+    for inner in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(2)):
+        fn = inner
+        if hasattr(mu, "remap_positions_for_packed_sequence"):
+            fn = mu.remap_positions_for_packed_sequence(fn, pos)
+        fn = mu.and_masks(fn, mu.packed_sequence_mask_function(psm))
+        args = dict(batch_size=2, q_length=9, kv_length=9, mask_function=fn)
+        plan = fa.ffpa_mask(**args)
+        assert isinstance(plan, KernelMask) and plan.varlen
+        assert plan.cu_seqlens_q.tolist() == [0, 3, 5, 9, 15, 18]
+        assert torch.equal(kernel_visibility(plan), hf_truth(**args))
+
+
+@pytest.mark.parametrize("name", ["chunked", "or_overlay", "blockwise", "custom"])
+def test_patterns_without_an_exact_kernel_form_get_hf_mask(name, caplog):
+    fns = {
+        "chunked": lambda: mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
+        "or_overlay": lambda: mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: k == 0),
+        "blockwise": lambda: mu.or_masks(mu.causal_mask_function,
+                                         mu.blockwise_overlay(torch.tensor([[-1, 0, 0, -1, -1, -1]] * 2))),
+        "custom": lambda: (lambda b, h, q, k: (q - k) % 2 == 0),
+    }
+    args = dict(batch_size=2, q_length=6, kv_length=6, mask_function=fns[name]())
+    assert describe(args["mask_function"]) is None
+    fa._FALLBACK_WARNED.clear()
+    with caplog.at_level(logging.WARNING):
+        got = fa.ffpa_mask(**args, use_vmap=True)
+    assert "falling back (mask_function)" in caplog.text
+    assert torch.equal(got, mu.sdpa_mask(**args, use_vmap=True, allow_is_causal_skip=False))
+
+
+def test_describe_reads_hf_windows():
+    assert describe(mu.causal_mask_function).left is None and describe(mu.causal_mask_function).right == 0
+    p = describe(mu.sliding_window_causal_mask_function(5))
+    assert (p.left, p.right) == (4, 0)  # kv > q - 5
+    p = describe(mu.sliding_window_bidirectional_mask_function(3))
+    assert (p.left, p.right) == (3, 3)  # |q - kv| <= 3
+    p = describe(mu.bidirectional_mask_function)
+    assert (p.left, p.right) == (None, None)
+
+
+def test_flex_setting_builds_the_sliding_block_mask(monkeypatch):
+    monkeypatch.setattr(fa, "SLIDING_BACKEND", "flex")
+    built = {}
+    monkeypatch.setattr(mu, "flex_attention_mask", lambda **kw: built.update(kw) or "block-mask")
+    keep = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]).bool()
+    fn = mu.sliding_window_causal_mask_function(2)
+    assert fa.ffpa_mask(2, 4, 4, mask_function=fn, attention_mask=keep) == "block-mask"
+    assert built["mask_function"] is fn and built["attention_mask"] is keep  # padding travels with it
+    assert isinstance(fa.ffpa_mask(2, 4, 4, attention_mask=keep), KernelMask)  # full layers stay on kernels
+    monkeypatch.setattr(fa, "SLIDING_BACKEND", "flax")
+    with pytest.raises(ValueError, match="XATTN_SLIDING_BACKEND"):
+        fa.ffpa_mask(2, 4, 4, mask_function=fn)
