@@ -15,7 +15,7 @@ from tests.reference import rel_err
 from xattn.torch import ffpa_attention as fa
 
 
-def tiny_gemma4_config(hidden=64, layers=2, heads=4, kv_heads=2, vocab=64, sliding_window=4):
+def tiny_gemma4_config(hidden=64, layers=2, heads=4, kv_heads=2, vocab=64, sliding_window=4, layer_types=None):
     """Full layers head_dim 512 (one KV head, k == v), sliding layers head_dim 256 with GQA."""
     from transformers import Gemma4TextConfig
 
@@ -23,7 +23,7 @@ def tiny_gemma4_config(hidden=64, layers=2, heads=4, kv_heads=2, vocab=64, slidi
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, global_head_dim=512,
         num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention"] * (layers // 2), max_position_embeddings=256,
+        layer_types=layer_types or ["sliding_attention", "full_attention"] * (layers // 2), max_position_embeddings=256,
         vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=16)  # not the 262144 x 256 default table
 
 

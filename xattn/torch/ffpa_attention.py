@@ -244,6 +244,7 @@ def _plan(module, query, key, attention_mask, kwargs) -> KernelMask:
     if isinstance(attention_mask, KernelMask):
         attention_mask.check(query, key)
         if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None or attention_mask.varlen:
+            _note_unseparated_documents(attention_mask, kwargs.get("position_ids"))
             return attention_mask
         if attention_mask.q_length != attention_mask.kv_length:
             raise ValueError("cu_seq_lens_q/k: packed documents with a KV cache are not supported")
@@ -252,6 +253,19 @@ def _plan(module, query, key, attention_mask, kwargs) -> KernelMask:
         window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
     packed = _packed_kwargs(kwargs, query.shape[0], query.shape[2])
     return plan_without_mask(query, key, window, *(packed or (None, None)))
+
+
+def _note_unseparated_documents(plan: KernelMask, position_ids) -> None:
+    """Restarting ``position_ids`` on a mask that does not separate documents (HF builds such masks
+    when a cache is in use): run as SDPA does, documents attending to each other, and say so once."""
+    if plan.varlen or plan.notes.get("positions_checked") or position_ids is None or position_ids.dim() != 2 \
+            or plan.batch_size != 1 or plan.q_length != plan.kv_length or position_ids.shape[-1] != plan.q_length:
+        return
+    plan.notes["positions_checked"] = True
+    if bool((position_ids[0, 1:] - position_ids[0, :-1] != 1).any()):
+        _warn_once("packed_position_ids", "position_ids restart, but HF's mask does not separate the documents "
+                   "(a cache is in use): they attend to each other, as under sdpa. Pass use_cache=False, or "
+                   "cu_seq_lens_q/k, to keep them apart", target="the mask as given")
 
 
 def _causal(module, kwargs) -> bool:

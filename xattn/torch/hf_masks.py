@@ -156,6 +156,7 @@ class KernelMask:
     kv_start: int = 0
     kv_stop: int | None = None
     description: str = ""
+    notes: dict = field(default_factory=dict, repr=False)
     _materialize: object = field(default=None, repr=False)
     _sdpa: torch.Tensor | None = field(default=None, repr=False)
 
