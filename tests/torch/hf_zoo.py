@@ -370,12 +370,6 @@ def _bart_run(model, kw):
     return {"logits": out.logits, "encoder": out.encoder_last_hidden_state[kw["attention_mask"].bool()]}
 
 
-STATIC_CRASH = ("generate() with a static cache builds the mask once and passes the KernelMask back in as "
-                "attention_mask; create_causal_mask only passes 4D tensors / BlockMasks through and fails on it "
-                "(AttributeError: 'KernelMask' object has no attribute 'ndim')")
-STATIC_PADDED = STATIC_CRASH + ("; behind it: StaticLayer's q_offset is a 0-d tensor, so _padded_plan's set of row "
-                                "shifts holds equal tensors as distinct items and decode steps fall back ('mask')")
-
 CASES = [
     Case("forward, left padded, d64", "llama", lambda: llama(64), _text(), _logits, dict(causal=2)),
     Case("forward, left padded, d128", "llama", lambda: llama(128), _text(), _logits, dict(causal=2)),
@@ -383,9 +377,9 @@ CASES = [
     Case("packed documents (position_ids)", "llama", llama, _packed_inputs, _logits, dict(causal=2)),
     Case("generate dynamic, left padded", "llama", llama, _text(n=8), _generate(), dict(causal=10)),
     Case("generate static", "llama", llama, _text(n=8, left=()), _generate(cache_implementation="static"),
-         dict(causal=10), xfail=STATIC_CRASH),
+         dict(causal=10)),
     Case("generate static, left padded", "llama", llama, _text(n=8), _generate(cache_implementation="static"),
-         dict(causal=10), xfail=STATIC_PADDED),
+         dict(causal=10)),
     Case("user 4D bool mask", "llama", llama, _prefix_lm_inputs, _logits, fallbacks=("4d_mask->sdpa",)),
     Case("global+local, left padded", "modernbert", modernbert, _text(n=14), _hidden, dict(full=1, window=2)),
     Case("global+local, right padded", "modernbert", modernbert, _text(n=14, left=(), right=(3,)), _hidden,

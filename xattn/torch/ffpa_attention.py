@@ -156,6 +156,9 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     """
     from transformers import masking_utils as mu
 
+    if isinstance(attention_mask, KernelMask):
+        return attention_mask  # prepared earlier (generate() with a static cache), as HF returns 4D masks
+    q_length, kv_length, q_offset, kv_offset = (int(x) for x in (q_length, kv_length, q_offset, kv_offset))
     mask_function = mask_function or mu.causal_mask_function
     device = kwargs.pop("device", attention_mask.device if attention_mask is not None else "cpu")
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -163,7 +166,9 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     extra = {n: x for n, x in kwargs.items() if n != "allow_is_causal_skip"}
 
     def hf_sdpa_mask():
-        return mu.sdpa_mask(**args, allow_is_causal_skip=False, **extra)
+        mask = mu.sdpa_mask(**args, allow_is_causal_skip=False, **extra)
+        mask._xattn_factory_fallback = True  # the attention function knows it is HF's exact mask
+        return mask
 
     pattern = describe(mask_function) if attention_mask is None or attention_mask.dim() == 2 else None
     if pattern is None:
@@ -345,7 +350,8 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
             return _fallback(module, query, key, value, _padding_sdpa_mask(query, key, attention_mask, kwargs, module),
                              dropout, scaling, softcap, kwargs)
     elif attention_mask is not None and not isinstance(attention_mask, KernelMask):
-        _warn_once("4d_mask", "a mask tensor from outside the ffpa mask factory runs on SDPA as given")
+        if not getattr(attention_mask, "_xattn_factory_fallback", False):  # the factory warned already
+            _warn_once("4d_mask", "a mask tensor from outside the ffpa mask factory runs on SDPA as given")
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs)
     else:
         plan = _plan(module, query, key, attention_mask, kwargs)

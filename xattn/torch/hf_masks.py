@@ -160,6 +160,16 @@ class KernelMask:
     _materialize: object = field(default=None, repr=False)
     _sdpa: torch.Tensor | None = field(default=None, repr=False)
 
+    ndim = 4  # HF's mask preprocessing reads a prepared mask's rank (generate() hands it back in)
+
+    def dim(self) -> int:
+        return 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, 1, Nq, Nk)``, the shape of the SDPA mask this plan stands for."""
+        return self.batch_size, 1, self.q_length, self.kv_length
+
     @property
     def causal(self) -> bool:
         return self.window == (None, 0)
