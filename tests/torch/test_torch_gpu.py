@@ -1,13 +1,13 @@
 """xattn.torch on the GPU with the real kernels: custom ops vs the fp64 reference (fwd + grads),
-a tiny Gemma 4 with attn_implementation="ffpa" vs "sdpa", document-causal FA4, torch.compile
-fullgraph and CUDA-graph replay."""
+a tiny Gemma 4 with attn_implementation="ffpa" vs "sdpa", torch.compile fullgraph and CUDA-graph
+replay. The FA4 helpers (xattn.torch.fa4) have their own file, test_fa4_helpers_gpu.py."""
 
 import pytest
 import torch
 
 import xattn.torch as xt
 from tests.reference import attention as ref_attention, rel_err
-from xattn.torch import fa4, ffpa_attention as fa
+from xattn.torch import ffpa_attention as fa
 
 from . import gemma
 
@@ -56,28 +56,6 @@ def test_packed_batch_equals_each_document_alone():
     for a, b in ((0, 40), (40, 96)):
         alone, _ = fa.ffpa_attention_forward(torch.nn.Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, scaling=1.0)
         assert rel_err(out[:, a:b], alone.double()) < 1e-2
-
-
-@pytest.mark.parametrize("start, nq, left_pad", [(0, 64, False), (32, 32, False), (0, 64, True), (32, 32, True)])
-def test_document_causal_fa4_vs_masked_reference(start, nq, left_pad):
-    rows = [[0] * 14 + [1] * 20 + [2] * 30, [3] * 64] if left_pad else [[1] * 20 + [2] * 30 + [0] * 14, [3] * 64]
-    kv_ids = torch.tensor(rows, device="cuda")
-    q_ids = kv_ids[:, start:start + nq]
-    q, k, v = (t.requires_grad_() for t in _qkv(2, nq, 64, 4, 2, 128))
-    out = fa4.document_causal_fa4_attention(q, k, v, q_ids, kv_ids, start, scale=0.1)
-    pos_q, pos_k = torch.arange(nq, device="cuda") + start, torch.arange(64, device="cuda")
-    mask = (q_ids[:, :, None] == kv_ids[:, None, :]) & (pos_k[None, None] <= pos_q[None, :, None])
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    kk, vv = k64.repeat_interleave(2, 2), v64.repeat_interleave(2, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q64, kk) * 0.1
-    p = torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), -1).nan_to_num(0.0)
-    ref = torch.einsum("bhqk,bkhd->bqhd", p, vv) * (q_ids != 0)[:, :, None, None]
-    assert rel_err(out, ref) < 1e-2
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    ref.backward(dout.double())
-    for name, a, b in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
-        assert rel_err(a.grad, b.grad) < 1e-2, name
 
 
 def test_torch_compile_fullgraph_and_cuda_graph_replay():
