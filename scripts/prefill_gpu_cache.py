@@ -25,11 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def specs():
-    """Every launcher spec the GPU tests and ``benchmarks/`` ask for (a superset is harmless)."""
+def specs(recorded=None):
+    """Every launcher spec the GPU tests and ``benchmarks/`` ask for (a superset is harmless), plus
+    those a CPU test run recorded (``XATTN_RECORD_SPECS=path pytest ...``; JSON rows of KernelSpec fields)."""
+    import json
+
     from xattn.core.spec import KernelSpec, supports
 
     out = []
+    for row in json.load(open(recorded)) if recorded else []:
+        out.append(KernelSpec(**row))
+        if row["family"] == "fa4":  # the GPU twins run both dtypes and both passes; FA4 compiles in seconds
+            for dtype in ("bfloat16", "float16"):
+                for direction in ("fwd", "bwd"):
+                    out.append(KernelSpec(**{**row, "dtype": dtype, "direction": direction}))
 
     def add(family, d, dv, g, causal=False, varlen=False, window=(None, None), dtype="bfloat16",
             directions=("fwd", "bwd")):
@@ -63,7 +72,11 @@ def specs():
         for varlen in (False, True):
             add("fa4", 256, 256, 2, False, varlen, window=(15, 0), dtype=dtype)
             add("ffpa", 512, 512, 8, True, varlen, dtype=dtype)
-    add("fa4", 128, 128, 2, True, varlen=True)  # document-causal FA4 helper test
+    for dtype in ("bfloat16", "float16"):  # FA4 helpers (tests/torch/test_fa4_helpers_gpu.py)
+        for d, dv in ((128, 128), (192, 128), (256, 256)):
+            for g in (1, 2, 4):
+                add("fa4", d, dv, g, True, varlen=True, dtype=dtype)
+                add("fa4", d, dv, g, True, dtype=dtype)
     add("fa4", 256, 256, 2, False, window=(63, 0))  # JAX sliding-window test
     add("fa4", 128, 128, 2, True, dtype="float16", directions=("fwd",))
     seen, unique = set(), []
@@ -78,9 +91,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--recorded", default=None, help="also the specs a CPU run recorded (XATTN_RECORD_SPECS)")
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "i/n": build every n-th spec
     args = ap.parse_args()
-    todo = specs()
+    todo = specs(args.recorded)
     if args.list:
         print("\n".join(s.short_name() for s in todo), f"\n{len(todo)} launchers", sep="")
         return
@@ -91,7 +105,8 @@ def main():
 
         warmup.run(todo[i::n], out=sys.stdout)
         return
-    procs = [subprocess.Popen([sys.executable, __file__, "--shard", f"{i}/{args.jobs}"], env=os.environ)
+    extra = ["--recorded", args.recorded] if args.recorded else []
+    procs = [subprocess.Popen([sys.executable, __file__, "--shard", f"{i}/{args.jobs}", *extra], env=os.environ)
              for i in range(args.jobs)]
     if any(p.wait() for p in procs):
         sys.exit("prefill: a shard failed")
