@@ -1,24 +1,39 @@
-"""``xattn.jax.dot_product_attention``: the ``jax.nn`` / Flax ``attention_fn`` calling convention.
+"""``xattn.jax.dot_product_attention``: a drop-in for ``jax.nn.dot_product_attention`` (and Flax's ``attention_fn``).
 
-Use as ``flax.nnx.MultiHeadAttention(..., attention_fn=xattn.jax.dot_product_attention)`` (or
-linen's). Routes head_dim 320-512 to FFPA and head dims FA4 supports to FA4; everything the
-kernels cannot run raises a clear error, or runs the explicit pure-jnp reference when
-``backend="reference"`` is asked for: never a silent change of result.
+Same signature and conventions as ``jax.nn.dot_product_attention``: layout ``[..., T, N, H]``
+(``BTNH``, or ``TNH`` without batch), causal and ``local_window_size`` TOP-LEFT aligned (query i
+sees key j iff ``j <= i`` / ``i - left <= j <= i + right``), ``query_seq_lengths`` /
+``key_value_seq_lengths`` as valid prefixes, the residual as the natural-log logsumexp ``[..., T, N]``.
+The kernels are bottom-right aligned (FlashAttention): this module rewrites every top-left mask
+into the kernels' form exactly (slicing keys no query can see, shifting windows by ``Nk - Nq``,
+varlen segments for key padding) and raises where no exact rewrite exists; it never changes a
+result silently. ``backend="reference"`` computes everything (bias, mask arrays, any lengths) in jnp.
+
+Glossary: B batch (any leading dims, flattened), T / S query / key lengths (Nq / Nk), N / K query /
+key-value heads (GQA when N > K), H / Hv head dims.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
-from xattn.core.spec import FA4_HEAD_DIMS, family_for
+from xattn.core.spec import FA4_HEAD_DIMS, canonical_mask, family_for
 
-from .attention import flash_attention, ffpa_attention, resolve_backend
-from .reference import attention_reference
+from .attention import RESIDUAL_NAMES, Config, _backward, _forward, check_dense, resolve_backend
+from .varlen import VarlenConfig, _bwd as _varlen_bwd, _fwd as _varlen_fwd
 
 __all__ = ["dot_product_attention"]
 
+_NEG = -0.7 * float(np.finfo(np.float32).max)  # jax.nn's masked logit
+
+
+# --- arguments ----------------------------------------------------------------------------
 
 def _family(d: int, dv: int) -> str:
     family = family_for(d, dv)
@@ -28,43 +43,347 @@ def _family(d: int, dv: int) -> str:
                               f"{', '.join(f'{a}/{b}' for a, b in FA4_HEAD_DIMS)}); pass backend='reference'")
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                          dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
-                          dtype=None, precision=None, module=None, *, scale: float | None = None,
-                          is_causal: bool = False, backend: str = "auto", **unused):
-    """Attention over ``[..., N, H, D]`` inputs (any leading batch dims), Flax-compatible.
+def _flatten(query, key, value):
+    """``(q, k, v, lead)``: inputs ``[..., T, N, H]`` as ``[B, T, N, H]`` (B = prod(lead), 1 for 3-D)."""
+    q, k, v = (jnp.asarray(x) for x in (query, key, value))
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(f"query/key/value: expected equal ranks >= 3 ([..., T, N, H]), got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    lead = q.shape[:-3]
+    if k.shape[:-3] != lead or v.shape[:-3] != lead:
+        raise ValueError(f"key/value: leading dims {k.shape[:-3]}, {v.shape[:-3]} differ from query's {lead}")
+    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    check_dense(q, k, v)
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"key: the number of query heads ({q.shape[2]}) must be a multiple of key/value heads "
+                         f"({k.shape[2]})")
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(f"query/key: empty sequence (T={q.shape[1]}, S={k.shape[1]})")
+    return q, k, v, lead
 
-    query ``[..., Nq, Hq, D]``, key/value ``[..., Nk, Hkv, D/Dv]`` (GQA when Hq > Hkv). ``scale``
-    defaults to 1/sqrt(D); ``is_causal`` is bottom-right aligned (== jax.nn's when Nq == Nk).
-    ``mask`` (bool, broadcastable to ``[B, 1, Nq, Nk]``) and ``bias`` only run on
-    ``backend="reference"``; with the kernels they raise ``ValueError`` naming the fix.
-    Dropout (``dropout_rate > 0`` and not ``deterministic``) raises ``NotImplementedError``.
-    """
+
+def _lengths(x, name: str, lead: tuple, b: int):
+    """int32 ``[B]`` valid-prefix lengths (shape ``lead`` or ``[B]``), or None."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.dtype != jnp.int32:
+        raise TypeError(f"{name}: expected int32 lengths (as jax.nn), got {x.dtype}")
+    if x.shape not in (tuple(lead), (b,)):
+        raise ValueError(f"{name}: expected one length per batch row, shape {tuple(lead)} or ({b},); got {x.shape}")
+    return x.reshape(b)
+
+
+def _window(local_window_size):
+    """``(left, right)`` ints (an int w means ``(w, w)``), or None."""
+    w = local_window_size
+    if w is None:
+        return None
+    is_int = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))  # noqa: E731
+    if is_int(w):
+        w = (w, w)
+    if not (isinstance(w, (tuple, list)) and len(w) == 2 and all(is_int(x) for x in w)):
+        raise TypeError(f"local_window_size: expected an int or a (left, right) pair of ints, got {w!r}")
+    return int(w[0]), int(w[1])
+
+
+def _per_head(x, name: str, lead: tuple, n: int, t: int, s: int):
+    """A jax.nn bias/mask (broadcastable to ``[..., N, T, S]``) as ``[B, N, T, S]``."""
+    x = jnp.asarray(x)
+    target = (*lead, n, t, s)
+    extra = x.ndim - len(target)
+    if extra > 0 and all(d == 1 for d in x.shape[:extra]):
+        x = x.reshape(x.shape[extra:])
+    try:
+        x = jnp.broadcast_to(x, target)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: shape {x.shape} does not broadcast to [..., N, T, S] = {target}") from None
+    return x.reshape(-1, n, t, s)
+
+
+def _check_flax(dropout_rate, deterministic, module) -> None:
     if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError("dropout: the xattn kernels have no attention dropout; use dropout_rate=0")
-    backend = resolve_backend(backend)
-    lead = query.shape[:-3]
-    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if backend == "reference":
-        m = None
-        if mask is not None:
-            mm = jnp.asarray(mask)
-            if mm.ndim != 4 or mm.shape[1] != 1:
-                raise ValueError(f"mask: expected [B, 1, Nq, Nk] (head-independent), got {mm.shape}")
-            m = jnp.broadcast_to(mm[:, 0], (q.shape[0], q.shape[1], k.shape[1]))
-            if is_causal:
-                from .reference import visible
+        raise NotImplementedError("dropout: the xattn kernels have no attention dropout; use dropout_rate=0 "
+                                  "or deterministic=True")
+    if module is not None:
+        raise NotImplementedError("module (Flax sow_weights): xattn never materialises the attention weights; "
+                                  "use sow_weights=False")
 
-                m = m & visible(q.shape[1], k.shape[1], True)[None]
-        if bias is not None:
-            raise ValueError("bias: not supported by xattn (kernels or reference)")
-        out, _ = attention_reference(q, k, v, scale=scale, causal=is_causal and m is None, mask=m)
+
+# --- kernels with the logsumexp as a second output -----------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _with_lse(cfg, q, k, v, *cu):
+    """``(out, lse)``; like jax.nn's residual, lse carries no gradient (its cotangent is dropped)."""
+    return _varlen_fwd(cfg, q, k, v, *cu) if cu else _forward(cfg, q, k, v)
+
+
+def _with_lse_fwd(cfg, q, k, v, *cu):
+    out, lse = _with_lse(cfg, q, k, v, *cu)
+    res = tuple(checkpoint_name(x, n) for x, n in zip((q, k, v, out, lse), RESIDUAL_NAMES))
+    return (out, lse), (res, cu)
+
+
+def _with_lse_bwd(cfg, res, cts):
+    (q, k, v, out, lse), cu = res
+    dout = cts[0]
+    grads = _varlen_bwd(cfg, dout, q, k, v, out, lse, *cu) if cu else _backward(cfg, dout, q, k, v, out, lse)
+    return (*grads, *(None for _ in cu))
+
+
+_with_lse.defvjp(_with_lse_fwd, _with_lse_bwd)
+
+
+# --- top-left masks on bottom-right kernels ------------------------------------------------
+
+def _bounds(causal: bool, window):
+    """Top-left ``(left, right)`` key bounds relative to the query index (None: unbounded)."""
+    if window is not None and min(window) < 0:
+        raise ValueError(f"local_window_size={window}: negative window sides exclude the diagonal, which the "
+                         "kernels' windows always contain; use backend='reference'")
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0
+    return left, right
+
+
+def _kernel_window(t: int, s: int, left, right):
+    """``(t', s', l, r)``: the kernel computes queries ``[0, t')`` against keys ``[0, s')`` with the
+    bottom-right window ``(l, r)``, both sides >= 0 or None, which equals the top-left bounds.
+
+    Queries past ``s - 1 + left`` see no key (output 0); keys past ``t' - 1 + right`` are seen by
+    no query (zero gradient). A bound that cuts nothing inside the sliced problem becomes None.
+    """
+    tk = t if left is None else min(t, s + left)
+    sk = s if right is None else min(s, tk + right)
+    left = None if left is not None and left >= tk - 1 else left
+    right = None if right is not None and right >= sk - 1 else right
+    shift = sk - tk
+    return tk, sk, None if left is None else left + shift, None if right is None else right - shift
+
+
+def _dense(q, k, v, family: str, scale: float, bounds, what: str):
+    """``(out [B, T, N, Hv], lse [B, N, T])`` with top-left ``bounds`` on the dense kernels."""
+    t = q.shape[1]
+    tk, sk, wl, wr = _kernel_window(t, k.shape[1], *bounds)
+    q, k, v = q[:, :tk], k[:, :sk], v[:, :sk]
+    causal, wl, wr = canonical_mask(False, wl, wr)
+    if family == "ffpa" and (wl, wr) != (None, None):
+        if wl is not None:
+            raise NotImplementedError(f"{what}: needs the sliding window ({wl}, {wr}) in the kernels' bottom-right "
+                                      f"convention, and FFPA (head_dim {q.shape[-1]}) has none; use head_dim <= 256 "
+                                      "(FA4) or backend='reference'")
+        m = tk - wr  # rows [0, m) are causal with offset (sk - m); rows [m, tk) see every key
+        parts = [_with_lse(Config("ffpa", scale, True), q[:, :m], k, v),
+                 _with_lse(Config("ffpa", scale, False), q[:, m:], k, v)]
+        out = jnp.concatenate([p[0] for p in parts], axis=1)
+        lse = jnp.concatenate([p[1] for p in parts], axis=2)
+    else:
+        out, lse = _with_lse(Config(family, scale, causal, (wl, wr)), q, k, v)
+    if tk < t:
+        out = jnp.pad(out, ((0, 0), (0, t - tk), (0, 0), (0, 0)))
+        lse = jnp.pad(lse, ((0, 0), (0, 0), (0, t - tk)), constant_values=-jnp.inf)
+    return out, lse
+
+
+def _row_segments(kv_len, b: int, t: int, s: int):
+    """int32 cu_seqlens for rows as varlen segments: per row, (all T queries, keys ``[0, max(kv, 1))``)
+    then (no query, the padding keys). Keys tile ``[B * S]``; no segment has queries without keys."""
+    rows = jnp.arange(b, dtype=jnp.int32)
+    keys = rows * s + jnp.clip(kv_len, 1, s).astype(jnp.int32)
+    ends_q = (rows + 1) * t
+    zero = jnp.zeros((1,), jnp.int32)
+    cu_q = jnp.concatenate([zero, jnp.stack([ends_q, ends_q], 1).reshape(-1)])
+    cu_k = jnp.concatenate([zero, jnp.stack([keys, (rows + 1) * s], 1).reshape(-1)])
+    return cu_q, cu_k
+
+
+def _varlen(q, k, v, kv_len, family: str, scale: float):
+    """Unmasked attention over each row's first ``kv_len`` keys: ``(out [B, T, N, Hv], lse [B, N, T])``."""
+    (b, t, n, _), s = q.shape, k.shape[1]
+    cu_q, cu_k = _row_segments(kv_len, b, t, s)
+    flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    out, lse = _with_lse(VarlenConfig(Config(family, scale), t, s), *flat, cu_q, cu_k)
+    return out.reshape(b, t, n, -1), lse.reshape(n, b, t).transpose(1, 0, 2)
+
+
+def _row_status(b: int, t: int, s: int, q_len, kv_len, bounds):
+    """``(empty, broken)`` bool ``[B, T]``: rows that see no key by their lengths (-> 0), and rows that
+    would see padded keys the dense kernel cannot cut at ``kv_len`` (with causal/window: -> NaN)."""
+    i = jnp.arange(t)[None]
+    empty = jnp.zeros((b, t), bool) if q_len is None else i >= q_len[:, None]
+    broken = jnp.zeros((b, t), bool)
+    if kv_len is not None:
+        kv = kv_len[:, None]
+        left, right = bounds
+        empty = empty | (kv <= 0) | (False if left is None else i - left >= kv)
+        if right is not None:
+            broken = ~empty & (i + right >= kv) & (kv < s)
+    return empty, broken
+
+
+def _kernel(q, k, v, scale, causal, window, q_len, kv_len, what):
+    family = _family(q.shape[-1], v.shape[-1])
+    bounds = _bounds(causal, window)
+    if kv_len is not None and bounds == (None, None):
+        out, lse = _varlen(q, k, v, kv_len, family, scale)
+    else:
+        out, lse = _dense(q, k, v, family, scale, bounds, what)
+    if q_len is None and kv_len is None:
+        return out, lse
+    empty, broken = _row_status(q.shape[0], q.shape[1], k.shape[1], q_len, kv_len, bounds)
+    nan = jnp.asarray(jnp.nan, out.dtype)
+    out = jnp.where(empty[..., None, None], 0, jnp.where(broken[..., None, None], nan, out))
+    lse = jnp.where(empty[:, None], -jnp.inf, jnp.where(broken[:, None], jnp.nan, lse))
+    return out, lse
+
+
+# --- the pure-jnp path: jax.nn's masks, bias and mask arrays -------------------------------
+
+def _visible(t: int, s: int, causal: bool, window, q_len, kv_len):
+    """Bool ``[B or 1, T, S]``: jax.nn's causal, window and length masks (top-left)."""
+    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None]
+    vis = jnp.ones((t, s), bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        vis &= (i <= j + window[0]) & (i >= j - window[1])
+    vis = vis[None]
+    if q_len is not None:
+        vis = vis & (i[None] < q_len[:, None, None])
+    if kv_len is not None:
+        vis = vis & (j[None] < kv_len[:, None, None])
+    return vis
+
+
+def _reference(q, k, v, bias, mask, *, scale, causal, window, q_len, kv_len, precision):
+    """``(out, lse)`` in float32 math; rows that see no key give 0 and -inf (as the kernels)."""
+    b, t, n, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    f32 = jnp.float32
+    qg = q.astype(f32).reshape(b, t, kh, n // kh, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(f32), precision=precision) * scale
+    if bias is not None:
+        logits = logits + bias.astype(f32).reshape(bias.shape[0], kh, n // kh, t, s)
+    vis = _visible(t, s, causal, window, q_len, kv_len)[:, None, None]
+    if mask is not None:
+        vis = vis & mask.reshape(mask.shape[0], kh, n // kh, t, s)
+    vis = jnp.broadcast_to(vis, logits.shape)
+    seen = vis.any(-1)
+    logits = jnp.where(vis, logits, _NEG)
+    probs = jax.nn.softmax(logits, axis=-1) * seen[..., None]
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(f32), precision=precision).reshape(b, t, n, -1)
+    lse = jnp.where(seen, jax.nn.logsumexp(logits, axis=-1), -jnp.inf).reshape(b, n, t)
+    return out.astype(q.dtype), jax.lax.stop_gradient(lse)
+
+
+# --- entry points --------------------------------------------------------------------------
+
+def _xattn(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, window, precision, backend):
+    """``(out [..., T, N, Hv], lse [B, N, T] fp32)`` on the xattn kernels or the reference."""
+    q, k, v, lead = _flatten(query, key, value)
+    (b, t, n, d), s = q.shape, k.shape[1]
+    q_len = _lengths(q_len, "query_seq_lengths", lead, b)
+    kv_len = _lengths(kv_len, "key_value_seq_lengths", lead, b)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal: expected a static bool, got {type(is_causal).__name__}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if backend == "reference":
+        if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+            raise TypeError(f"mask: expected a bool array (True = attend; additive masks go to bias), got "
+                            f"{jnp.asarray(mask).dtype}")
+        bias, mask = (_per_head(x, name, lead, n, t, s) if x is not None else None
+                      for x, name in ((bias, "bias"), (mask, "mask")))
+        out, lse = _reference(q, k, v, bias, mask, scale=scale, causal=bool(is_causal), window=window,
+                              q_len=q_len, kv_len=kv_len, precision=precision)
     else:
         if mask is not None or bias is not None:
-            raise ValueError("mask/bias: the xattn kernels take no mask array; use is_causal=True for causal "
-                             "attention, xattn.jax.packed_attention for packed documents, or backend='reference'")
-        fn = ffpa_attention if _family(q.shape[-1], v.shape[-1]) == "ffpa" else flash_attention
-        out = fn(q, k, v, scale=scale, causal=is_causal, backend=backend)
+            raise ValueError("mask/bias: the xattn kernels take no mask or bias array; use is_causal=True, "
+                             "local_window_size, query_seq_lengths/key_value_seq_lengths, "
+                             "xattn.jax.packed_attention for packed documents, or backend='reference'")
+        what = f"is_causal={bool(is_causal)}, local_window_size={window} with T={t}, S={s}"
+        out, lse = _kernel(q, k, v, scale, bool(is_causal), window, q_len, kv_len, what)
+    return out.reshape(*lead, *out.shape[1:]), lse
+
+
+def _jax_nn(implementation, query, key, value, bias, mask, **kw):
+    """Honour ``implementation="xla"/"cudnn"``: jax.nn's own implementation, leading dims flattened."""
+    q, k, v, lead = _flatten(query, key, value)
+    (b, t, n, _), s = q.shape, k.shape[1]
+    if len(lead) > 1:
+        bias, mask = (_per_head(x, name, lead, n, t, s) if x is not None else None
+                      for x, name in ((bias, "bias"), (mask, "mask")))
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        kw[name] = _lengths(kw[name], name, lead, b)
+    res = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation=implementation, **kw)
+    out, residual = res if kw["return_residual"] else (res, None)
     out = out.reshape(*lead, *out.shape[1:])
-    return out.astype(dtype) if dtype is not None else out
+    return out if residual is None else (out, residual.reshape(*lead, t, n))
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
+                          is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
+                          return_residual: bool = False, broadcast_dropout: bool = True, dropout_rng=None,
+                          dropout_rate: float = 0.0, deterministic: bool = True, dtype=None, precision=None,
+                          module=None, backend: str = "auto"):
+    """``jax.nn.dot_product_attention`` on the xattn kernels (FFPA: head_dim 320-512; FA4: 64-256).
+
+    Shapes: query ``[..., T, N, H]``, key ``[..., S, K, H]``, value ``[..., S, K, Hv]`` (``Hv != H``
+    only where FA4 has the pair, e.g. 192/128) with the same leading dims (none, one batch dim as
+    jax.nn's ``BTNH``, or several); ``N % K == 0`` (GQA/MQA). Returns out ``[..., T, N, Hv]``, and with
+    ``return_residual=True`` ``(out, residual)``, residual ``[..., T, N]`` = logsumexp over the visible
+    keys of ``scale * q.k`` (natural log, jax.nn's layout and dtype: key's), without gradient (jax.nn
+    stops it too). Kernels need fp16/bf16 inputs; ``backend="reference"`` takes any float dtype.
+
+    Args, as jax.nn (all but query/key/value/bias/mask keyword-only):
+      bias, mask: arrays broadcastable to ``[..., N, T, S]`` (mask bool, True = attend). Only
+        ``backend="reference"`` takes them; on the kernels they raise ``ValueError``.
+      scale: static float, default ``1/sqrt(H)``.
+      is_causal: top-left: query i sees keys ``j <= i`` (also when T != S).
+      local_window_size: ``w`` or ``(left, right)``: query i sees ``i - left <= j <= i + right``
+        (top-left), combined with ``is_causal``. Negative sides raise ``ValueError`` on the kernels
+        (the reference computes them).
+      query_seq_lengths, key_value_seq_lengths: int32 ``[B]`` (or the leading dims' shape): row b's
+        valid queries/keys are its first ``len[b]``. Padded query rows give 0 (as jax.nn's).
+      implementation: None runs xattn (``backend`` decides where); ``"xla"``/``"cudnn"`` are honoured:
+        jax.nn's own implementation runs (with ``backend`` left at "auto", else ``ValueError``).
+      return_residual: see above.
+    Flax ``attention_fn`` keywords: ``dtype`` casts query/key/value (Flax's computation dtype, so the
+    output has it too); ``precision`` reaches the reference's einsums (the kernels multiply fp16/bf16
+    with fp32 accumulation under any setting); dropout (``dropout_rate > 0`` and not
+    ``deterministic``) and ``module`` (sow_weights) raise ``NotImplementedError``;
+    ``broadcast_dropout``/``dropout_rng`` only matter with dropout.
+    backend: ``"kernel"``, ``"reference"`` (pure jnp, exact jax.nn masks incl. bias/mask arrays) or
+      ``"auto"`` (kernel on GPU, reference elsewhere).
+
+    Differences from jax.nn, on both backends: a query row that sees no key (all keys masked, a
+    zero ``key_value_seq_lengths``, a window past the keys) gives out 0 and residual -inf, where
+    jax.nn averages every value uniformly and returns a huge negative residual. Kernel-path limits,
+    raised at trace time: FFPA has no sliding window, so a window that still cuts keys after the
+    top-left rewrite raises ``NotImplementedError`` (causal with T > S runs as two FFPA launches);
+    ``key_value_seq_lengths`` with causal/window runs the dense kernel and is exact when every row
+    has ``kv_len >= min(q_len + right, S)`` (``right`` = 0 when causal: e.g. padded self-attention
+    with equal lengths); otherwise the query rows that would see padded keys return NaN, never a
+    silent wrong value (``backend="reference"`` computes them). Head dims no kernel has raise ``NotImplementedError``;
+    unknown keywords ``TypeError`` (no ``**kwargs``).
+    """
+    _check_flax(dropout_rate, deterministic, module)
+    if dtype is not None:
+        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    if implementation is not None:
+        if implementation not in ("xla", "cudnn"):
+            raise ValueError(f"implementation: expected None, 'xla' or 'cudnn', got {implementation!r}")
+        if backend != "auto":
+            raise ValueError(f"implementation={implementation!r} runs jax.nn's own implementation; it cannot be "
+                             f"combined with backend={backend!r} (pass implementation=None)")
+        res = _jax_nn(implementation, query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                      local_window_size=local_window_size, return_residual=return_residual)
+        out, residual = res if return_residual else (res, None)
+    else:
+        out, lse = _xattn(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                          _window(local_window_size), precision, resolve_backend(backend))
+        residual = lse.transpose(0, 2, 1).astype(jnp.asarray(key).dtype).reshape(out.shape[:-1]) \
+            if return_residual else None
+    return (out, residual) if return_residual else out
