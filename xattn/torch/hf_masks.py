@@ -232,10 +232,11 @@ def _padded_plan(pattern: Pattern, keep: torch.Tensor, nq: int, base: int):
     window = (pattern.left, pattern.right)
     shifts = set()
     for cnt, a, e in zip(*rows):
-        if cnt and cnt != e - a:
+        if not cnt:  # its queries would need a segment with no keys, which FA4 does not promise to handle
+            return "a row without any real token"
+        if cnt != e - a:
             return "padding that is not one contiguous run of keys per row"
-        if cnt:
-            shifts.add(base + nq - e)
+        shifts.add(base + nq - e)
     if window != (None, None):
         if len(shifts) > 1:
             return ("rows padded on the right by different amounts (SDPA lets padded query rows see real keys; "
@@ -245,9 +246,8 @@ def _padded_plan(pattern: Pattern, keep: torch.Tensor, nq: int, base: int):
             return "query/key offsets the kernel window cannot express"
     q_lens, k_lens = [], []
     for cnt, a, e in zip(*rows):
-        a, e = (a, e) if cnt else (0, 0)
-        q_lens += [0, nq, 0] if cnt else [nq, 0]
-        k_lens += [a, e - a, nk - e] if cnt else [0, nk]
+        q_lens += [0, nq, 0]
+        k_lens += [a, e - a, nk - e]
     return dict(window=window, cu_seqlens_q=_cu(q_lens, keep.device), cu_seqlens_k=_cu(k_lens, keep.device),
                 max_seqlen_q=nq, max_seqlen_k=max(k_lens), description=f"padded: {b} rows")
 
