@@ -52,8 +52,8 @@ def test_packed_gemma4_equals_documents_alone(route, dtype, families, caplog):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_left_padded_gemma4_equals_rows_alone(dtype, backend, families, monkeypatch, caplog):
     monkeypatch.setattr(fa, "SLIDING_BACKEND", backend)
-    ids = _ids((3, 70))
-    keep = torch.ones(3, 70, dtype=torch.bool, device="cuda")
+    ids = _ids((3, 150))
+    keep = torch.ones(3, 150, dtype=torch.bool, device="cuda")
     keep[1, :23] = False
     keep[2, :51] = False
     errs = gp.compare(gp.padded_runs(ids, keep), gp.padded_runs(ids, keep), gp.padded_alone_runs(ids, keep, "cuda"),
