@@ -1,7 +1,8 @@
 """xattn.jax: the xattn kernels for JAX, as ``custom_vjp`` functions over XLA FFI targets.
 
-Layouts follow ``jax.nn.dot_product_attention`` (``[B, N, H, D]``); causal masks are
-bottom-right aligned (FlashAttention) when Nq != Nk. ``backend="reference"`` runs the same
+Layouts follow ``jax.nn.dot_product_attention`` (``[B, N, H, D]``). ``dot_product_attention``
+is jax.nn's drop-in: its causal masks and local windows are top-left aligned as in jax.nn; the
+other functions are FlashAttention's: bottom-right aligned when Nq != Nk. ``backend="reference"`` runs the same
 math in pure jnp on any device (``"auto"`` picks it off-GPU).
 """
 
