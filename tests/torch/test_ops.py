@@ -115,3 +115,35 @@ def test_torch_compile_fullgraph_no_graph_break():
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     step(q2, k2, v2).backward()
     torch.testing.assert_close(q.grad, q2.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fake_backward_strides_equal_the_real_ones():
+    """HF passes permuted [B, H, N, D] -> [B, N, H, D] views: the fake kernel must promise the real
+    (contiguous) gradient strides, or Inductor reads gradients with the wrong strides."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(d=128))  # permuted views
+    out, lse = xt.attention_with_lse(q, k, v, causal=True)
+    args = (out.detach().contiguous(), q, k, v, out.detach(), lse, "fa4", 0.1, True, -1, -1, None, None, 0, 0)
+    real = torch.ops.xattn.bwd(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.xattn.bwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert [t.stride() for t in fake] == [t.stride() for t in real]
+    assert q.stride() != real[0].stride()  # the case that used to differ
+
+
+def test_zero_query_backward_gives_zero_key_grads(monkeypatch):
+    """With no query row the core launches nothing; dk/dv must still be 0, not uninitialised memory."""
+    from xattn.torch import ops
+
+    monkeypatch.setitem(ops._BWD, "fa4", lambda *a, **kw: None)  # the core's early return for total_q == 0
+    q, k, v = _qkv(nq=0, d=128)
+    out = xt.attention(q, k, v)
+    out.sum().backward()
+    assert k.grad.abs().sum() == 0 and v.grad.abs().sum() == 0 and q.grad.numel() == 0
+
+
+def test_double_backward_raises_instead_of_detaching():
+    q, k, v = _qkv(d=128)
+    out = xt.attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate"):
+        torch.autograd.grad(dq.sum(), (q,))

@@ -91,7 +91,9 @@ def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
     varlen = cu_seqlens_q is not None
     spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
     fills = spec.output_fill()
-    grads = [_new(t.shape, t.dtype, t.device, fills.get(n)) for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
+    no_rows = q.numel() == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
+    grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows else fills.get(n))
+             for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
     if varlen:
         sizes = (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     else:
@@ -116,7 +118,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
               cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real kernel
 
 
 def _setup_context(ctx, inputs, output):
@@ -151,6 +153,7 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         family, scale, causal, wl, wr, max_q, max_k = ctx.params
