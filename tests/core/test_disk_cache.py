@@ -253,3 +253,19 @@ def test_loaded_function_registers_as_an_xla_ffi_target(cache_dir):
         assert isinstance(entry.function, tvm_ffi.Function)
         jax_tvm_ffi.register_ffi_target(f"{SPEC.target_name()}_{tag}", entry.function,
                                         arg_spec=["args", "attrs.softmax_scale"], platform="cpu")
+
+
+def test_clear_removes_only_xattn_files(tmp_path, monkeypatch):
+    """`python -m xattn cache clear` on a shared directory must not delete other programs' files."""
+    monkeypatch.setenv("XATTN_CACHE_DIR", str(tmp_path))
+    stem = disk_cache.entry_stem(SPEC)
+    ours = [f"{stem}.o", f"{stem}.so", f"{stem}.json", f".{stem}.123.456.tmp.o", f".{stem}.so.123.tmp"]
+    theirs = ["model.o", "libfoo.so", "config.json", ".editor.tmp", "ffpa_notes.json"]
+    for name in ours + theirs:
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".locks").mkdir()
+    (tmp_path / ".locks" / f"{stem}.lock").write_text("")
+    (tmp_path / ".locks" / "other.lock").write_text("")
+    assert disk_cache.clear() == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(theirs)
+    assert [p.name for p in (tmp_path / ".locks").iterdir()] == ["other.lock"]

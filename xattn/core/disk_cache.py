@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -240,17 +241,26 @@ def entries() -> list[dict]:
     return out
 
 
+# xattn's own file names: entries "<spec short name>-<20 hex>.{o,so,json}", their temporaries
+# (".<stem>.<pid>[.<ns>].tmp[.o|.so|.json]", ".<stem>.so.<pid>.tmp") and locks ("<stem>.lock").
+_STEM = r"(?:ffpa|fa4)_(?:fwd|bwd)_\w+-[0-9a-f]{20}"
+_OWN_FILE = re.compile(rf"^(?:{_STEM}\.(?:o|so|json)|\.{_STEM}\.[\w.]*tmp(?:\.(?:o|so|json))?)$")
+_OWN_LOCK = re.compile(rf"^{_STEM}\.lock$")
+
+
 def clear() -> int:
-    """Delete every entry (and stale temporaries/locks); returns the number of entries removed."""
+    """Delete xattn's entries (and stale temporaries/locks) and nothing else in the directory;
+    returns the number of entries removed."""
     directory = cache_dir()
     if not directory.is_dir():
         return 0
     n = 0
-    for path in [p for pat in ("*.o", "*.so", "*.json", ".*.tmp*") for p in directory.glob(pat)]:
+    for path in [p for p in directory.iterdir() if p.is_file() and _OWN_FILE.match(p.name)]:
         with contextlib.suppress(OSError):
             path.unlink()
-            n += path.suffix == ".o"
-    for lock in (directory / ".locks").glob("*.lock") if (directory / ".locks").is_dir() else ():
+            n += path.suffix == ".o" and not path.name.startswith(".")
+    locks = directory / ".locks"
+    for lock in [p for p in locks.iterdir() if _OWN_LOCK.match(p.name)] if locks.is_dir() else ():
         with contextlib.suppress(OSError):
             lock.unlink()
     return n
