@@ -16,6 +16,8 @@ jnp = jax.numpy
 
 import xattn.jax as xj  # noqa: E402
 
+from .test_nn import _run  # noqa: E402  (the same loss and grads as the CPU tests)
+
 # (d, dtype, T, S, jax.nn keywords, query lengths, key/value lengths)
 CASES = [
     (512, "bfloat16", 200, 264, dict(is_causal=True), None, None),             # FFPA: keys sliced to Nq
@@ -39,18 +41,6 @@ def _qkv(seed, b, t, s, d, dtype, hq=8, hkv=2):
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def _run(fn, q, k, v, lens):
-    """``(out, residual), grads`` of sum(out * w) over the rows that see a key, in one jit."""
-    w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
-
-    def loss(q, k, v, lens):
-        out, res = fn(q, k, v, return_residual=True, **lens)
-        seen = jax.lax.stop_gradient(res.astype(jnp.float32)) > -1e30
-        return (out.astype(jnp.float32) * w * seen[..., None]).sum(), (out, res)
-    (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, lens)
-    return outs, grads
 
 
 @pytest.mark.parametrize("d, dtype, t, s, kw, q_len, kv_len", CASES)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import inspect
 import itertools
 import types
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from xattn.core.device import prepare_dsl_environment
+from xattn.core.info import _missing
 
 from .attention import attention, attention_with_lse
 
@@ -89,14 +89,7 @@ _SERVED = frozenset({"q", "k", "v", "softmax_scale", "causal", "window_size", "r
 
 
 def _missing_packages() -> list[str]:
-    out = []
-    for name in _FA4_PACKAGES:
-        try:
-            if importlib.util.find_spec(name) is None:
-                out.append(name)
-        except (ImportError, ValueError):
-            out.append(name)
-    return out
+    return _missing(_FA4_PACKAGES)
 
 
 @functools.cache
