@@ -36,8 +36,10 @@ def test_registration_is_idempotent_and_fills_both_registries():
 def test_setup_checks():
     with pytest.raises(ValueError, match="cp_size"):
         fa.setup_ffpa_backend(0, False)
-    with pytest.raises(NotImplementedError, match="ring"):
+    with pytest.raises(ValueError, match="not initialised"):  # cp_size > 1 needs a process group of that size
         fa.setup_ffpa_backend(2, False)
+    with pytest.raises(NotImplementedError, match="packed"):
+        fa.setup_ffpa_backend(2, True)
     with pytest.raises(TypeError, match="has_packed_sequence"):
         fa.setup_ffpa_backend(1, "yes")
     assert fa.setup_ffpa_backend(1, True) is None  # packed sequences are accepted

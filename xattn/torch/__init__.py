@@ -2,12 +2,17 @@
 
 * ``attention`` / ``attention_with_lse``: differentiable, over the ``torch.ops.xattn.fwd/bwd`` custom ops;
 * ``xattn.torch.ffpa_attention``: Hugging Face ``attn_implementation="ffpa"`` (``register_ffpa_attention``);
-* ``xattn.torch.fa4``: ``causal_fa4_attention``, ``document_causal_fa4_attention``.
+* ``xattn.torch.fa4``: ``causal_fa4_attention``, ``document_causal_fa4_attention``;
+* ``xattn.torch.ring``: context parallelism (``ring_attention``, ``shard_sequence``, ``unshard_sequence``,
+  ``sequence_positions``); ``context_parallel`` / ``set_context_parallel_group`` hand a group to "ffpa".
 """
 
 from .attention import attention, attention_with_lse
 from .fa4 import causal_fa4_attention, document_causal_fa4_attention
+from .cp_group import context_parallel, set_context_parallel_group
 from .ffpa_attention import register_ffpa_attention, setup_ffpa_backend
+from .ring import ring_attention, sequence_positions, shard_sequence, unshard_sequence
 
 __all__ = ["attention", "attention_with_lse", "causal_fa4_attention", "document_causal_fa4_attention",
-           "register_ffpa_attention", "setup_ffpa_backend"]
+           "register_ffpa_attention", "setup_ffpa_backend", "ring_attention", "shard_sequence", "unshard_sequence",
+           "sequence_positions", "context_parallel", "set_context_parallel_group"]

@@ -33,10 +33,11 @@ import torch
 
 from xattn.core.spec import family_for
 
-from . import hf_fallback
+from . import cp_group, hf_fallback
 from .attention import attention, attention_with_lse, default_family
 from .hf_masks import KernelMask, Pattern, describe, hf_window, plan_hf_mask, plan_without_mask
 from .ops import bwd as _bwd_op
+from .ring import ring_attention
 
 __all__ = ["ffpa_attention_forward", "ffpa_mask", "register_ffpa_attention", "setup_ffpa_backend"]
 
@@ -171,6 +172,8 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
         return mask
 
     pattern = describe(mask_function) if attention_mask is None or attention_mask.dim() == 2 else None
+    if cp_group.active_group() is not None:
+        return _sharded_plan(pattern, mask_function, args)
     if pattern is None:
         _warn_once("mask_function", f"{getattr(mask_function, '__qualname__', mask_function)} is not a pattern "
                    "the kernels reproduce exactly (chunked, blockwise or custom masks)")
@@ -186,6 +189,26 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
         _warn_once("mask", plan)
         return hf_sdpa_mask()
     return plan
+
+
+def _sharded_plan(pattern, mask_function, args) -> KernelMask:
+    """The plan of a context-parallel forward: the layer's window on global positions (the shard's
+    restarting ``position_ids`` are the layout, not documents). Raises for what cannot run sharded."""
+    if pattern is None:
+        raise NotImplementedError(f"context parallelism: the mask {getattr(mask_function, '__qualname__', mask_function)}"
+                                  " is not a causal, sliding-window or bidirectional pattern")
+    keep = args["attention_mask"]
+    if keep is not None and not bool(keep.all()):
+        raise NotImplementedError("context parallelism: padding masks are not supported (shard unpadded rows)")
+    if args["q_length"] != args["kv_length"] or args["q_offset"] or args["kv_offset"]:
+        raise NotImplementedError("context parallelism: a KV cache is not supported (CP is for training/prefill "
+                                  "of whole sequences)")
+
+    def no_sdpa_mask():
+        raise NotImplementedError("context parallelism: a sharded layer has no exact SDPA fallback")
+    return KernelMask(args["batch_size"], args["q_length"], args["kv_length"], (pattern.left, pattern.right),
+                      description="context-parallel shard", notes={"context_parallel": True},
+                      _materialize=no_sdpa_mask)
 
 
 def register_ffpa_attention() -> bool:
@@ -207,16 +230,21 @@ def register_ffpa_attention() -> bool:
 
 
 def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
-    """Check the parallel setup, then register ``"ffpa"`` (packed sequences run on the kernels).
+    """Check the parallel setup, register ``"ffpa"``, and turn context parallelism on (``cp_size > 1``) or off.
 
-    Raises ValueError/TypeError for bad arguments, NotImplementedError for ``cp_size > 1`` (ring
-    context parallelism is not wired into the HF function yet), ImportError without transformers."""
+    ``cp_size > 1``: every ``"ffpa"`` layer then runs on sequence shards over the group handed over with
+    :func:`xattn.torch.set_context_parallel_group` (else the world group, when its size is ``cp_size``);
+    see :mod:`xattn.torch.cp_group`. Packed documents run on the kernels without CP.
+    Raises ValueError/TypeError for bad arguments or a missing group, NotImplementedError for packed
+    documents under CP, ImportError without transformers."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size: expected a positive int, got {cp_size!r}")
     if not isinstance(has_packed_sequence, bool):
         raise TypeError(f"has_packed_sequence: expected a bool, got {type(has_packed_sequence).__name__}")
-    if cp_size > 1:
-        raise NotImplementedError("cp_size > 1: ring context parallelism for ffpa is not available yet")
+    if cp_size > 1 and has_packed_sequence:
+        raise NotImplementedError("cp_size > 1 with packed sequences: context parallelism runs one sequence per "
+                                  "row (documents across shards are not supported)")
+    cp_group.activate(cp_size)
     if not register_ffpa_attention():
         raise ImportError("attn_implementation='ffpa' needs transformers: pip install 'transformers>=5'")
 
@@ -342,6 +370,9 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
                            softcap=None, **kwargs):
     """HF attention function: query ``[B, Hq, Nq, D]``, key/value ``[B, Hkv, Nk, D/Dv]`` -> ``(out [B, Nq, Hq, Dv]
     contiguous, None)``; the kernels where exact, else the exact fallback (see the module docstring)."""
+    group = cp_group.active_group()
+    if group is not None:
+        return _run_sharded(group, module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs), None
     if _is_block_mask(attention_mask):
         return hf_fallback.run_flex(module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
@@ -360,6 +391,29 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
         _warn_once(*reason, target="eager" if reason[0] in ("softcap", "s_aux") else "sdpa")
         return _fallback(module, query, key, value, plan.sdpa_mask(), dropout, scaling, softcap, kwargs)
     return _run_kernels(plan, query, key, value, scaling), None
+
+
+def _run_sharded(group, module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs):
+    """A context-parallel layer: ring attention (global) or its halo exchange (sliding) on this rank's shard."""
+    if attention_mask is not None and not isinstance(attention_mask, KernelMask):
+        raise NotImplementedError("context parallelism: this layer's mask is not a pattern the ring runs "
+                                  f"({type(attention_mask).__name__}); sharded layers have no SDPA fallback")
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        raise NotImplementedError("context parallelism: packed documents (cu_seq_lens_q/k) are not supported")
+    if attention_mask is None:
+        window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
+    else:
+        attention_mask.check(query, key)
+        window = attention_mask.window
+    plan = KernelMask(query.shape[0], query.shape[2], key.shape[2], window)
+    reason = _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs)
+    if reason is not None:
+        raise NotImplementedError(f"context parallelism: {reason[1]} ({reason[0]}); sharded layers have no fallback")
+    windowed = window not in ((None, None), (None, 0))
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return ring_attention(q, k, v, group=group, causal=window == (None, 0), softmax_scale=scaling,
+                          window_size=window if windowed else (None, None),
+                          family=family_for(query.shape[-1], value.shape[-1], windowed))
 
 
 def _fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs):

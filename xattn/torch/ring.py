@@ -68,17 +68,29 @@ def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, rank: int | Non
     return torch.cat([x.narrow(dim, a * chunk, chunk), x.narrow(dim, b * chunk, chunk)], dim=dim)
 
 
+class _AllGather(torch.autograd.Function):
+    """``[P, *x.shape]`` from every rank's ``x``; the gradient of ``x`` is the sum over ranks of theirs for it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        rank, world_size = _world(group)
+        out = x.new_empty((world_size, *x.shape))
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
+        ctx.group, ctx.rank = group, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
 def unshard_sequence(x: torch.Tensor, group=None, *, dim: int = 1) -> torch.Tensor:
     """The full sequence from every rank's shard (an all-gather, differentiable: the gradient of a
     rank's shard is the sum over ranks of their gradients for it). Inverse of :func:`shard_sequence`."""
-    rank, world_size = _world(group)
-    _check_divisible(x.shape[dim] * world_size, world_size, "unshard_sequence")
-    if x.requires_grad:
-        from torch.distributed.nn.functional import all_gather
-        parts = all_gather(x.contiguous(), group=group)
-    else:
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+    _, world_size = _world(group)
+    parts = _AllGather.apply(x, group).unbind(0)
     chunks = [None] * (2 * world_size)
     for r, part in enumerate(parts):
         a, b = _chunk_order(world_size, r)
