@@ -79,6 +79,10 @@ def specs(recorded=None):
                 add("fa4", d, dv, g, True, dtype=dtype)
     add("fa4", 256, 256, 2, False, window=(63, 0))  # JAX sliding-window test
     add("fa4", 128, 128, 2, True, dtype="float16", directions=("fwd",))
+    for dtype in ("bfloat16", "float16"):  # ring / CP tests (tests/*/test_ring_gpu.py): tiny Gemma 4 halo, fp16 ring
+        add("fa4", 256, 256, 2, False, window=(4, 0), dtype=dtype)
+        add("ffpa", 512, 512, 4, True, dtype=dtype)
+    add("fa4", 256, 256, 2, False, window=(1023, 0), dtype="float16")
     seen, unique = set(), []
     for s in out:
         if s not in seen and supports(s) is None:
@@ -92,9 +96,13 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--recorded", default=None, help="also the specs a CPU run recorded (XATTN_RECORD_SPECS)")
+    ap.add_argument("--only", default=None, help="only the launchers whose short name matches this regex")
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "i/n": build every n-th spec
     args = ap.parse_args()
     todo = specs(args.recorded)
+    if args.only:
+        import re
+        todo = [s for s in todo if re.search(args.only, s.short_name())]
     if args.list:
         print("\n".join(s.short_name() for s in todo), f"\n{len(todo)} launchers", sep="")
         return
@@ -105,7 +113,7 @@ def main():
 
         warmup.run(todo[i::n], out=sys.stdout)
         return
-    extra = ["--recorded", args.recorded] if args.recorded else []
+    extra = (["--recorded", args.recorded] if args.recorded else []) + (["--only", args.only] if args.only else [])
     procs = [subprocess.Popen([sys.executable, __file__, "--shard", f"{i}/{args.jobs}", *extra], env=os.environ)
              for i in range(args.jobs)]
     if any(p.wait() for p in procs):

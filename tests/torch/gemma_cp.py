@@ -14,13 +14,14 @@ from tests.torch import gemma_packed as gp
 from xattn.torch import context_parallel, ring, setup_ffpa_backend
 
 
-def build(impl, dtype, device, seed=0, **overrides):
+def build(impl, dtype, device, seed=0, weights_dtype=None, **overrides):
     """Gemma 4's real layer mix (5 sliding d256 GQA : 1 full d512, ``tests/torch/gemma_packed.py``) with
-    well-conditioned ``dtype``-rounded random weights, the same on every rank for the same seed."""
+    well-conditioned random weights rounded to ``weights_dtype`` (default ``dtype``), run in ``dtype``;
+    the same on every rank for the same seed."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(gp.config(**overrides), attn_implementation=impl)
-    model.load_state_dict(gp.weights(dtype, seed, **overrides))
+    model.load_state_dict(gp.weights(weights_dtype or dtype, seed, **overrides))
     return model.to(device, dtype)
 
 
