@@ -73,11 +73,20 @@ def test_export_load_round_trip(cache_dir):
         assert out["kernel_modules"] == []
 
 
+def _rewrite_meta(obj: Path, with_library: bool) -> None:
+    """Record the entry's files in its .json as the machine that wrote them would have."""
+    meta = json.loads(obj.with_suffix(".json").read_text())
+    files = {s: disk_cache._file_record(obj.with_suffix(s).read_bytes()) for s in (".o", ".so")[: 1 + with_library]}
+    obj.with_suffix(".json").write_text(json.dumps(dict(meta, files=files, shared_library=with_library)))
+
+
 @pytest.mark.compile
 def test_object_only_entry_loads_through_cutlass(cache_dir):
+    """An entry written where no C compiler was found has no .so."""
     cache.get_launcher(SPEC)
     for so in cache_dir.glob("*.so"):
         so.unlink()
+    _rewrite_meta(next(cache_dir.glob("*.o")), with_library=False)
     out = _in_new_process(LOAD_IN_NEW_PROCESS, cache_dir)
     assert out["source"] == "disk" and out["is_fn"] and "Mismatched Tensor" in out["err"]
 
@@ -120,6 +129,7 @@ def test_entry_from_another_machine_loads_without_its_rpath(cache_dir):
     """A cache filled on a login node links the runtime by a path that does not exist here."""
     so = _compiled_shared_library(cache_dir)
     assert disk_cache._link_shared(str(so.with_suffix(".o")), str(so), rpath=False)
+    _rewrite_meta(so.with_suffix(".o"), with_library=True)
     linked = so.read_bytes()
     out = _in_new_process(LOAD_IN_NEW_PROCESS, cache_dir)
     assert out["source"] == "disk" and out["is_fn"] and "Mismatched Tensor" in out["err"]

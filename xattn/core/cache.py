@@ -89,10 +89,12 @@ def _prepare(spec: KernelSpec) -> Launcher:
     t0 = time.perf_counter()
     use_disk = disk_cache.enabled() and _compiler is None
     if use_disk:
-        hit = disk_cache.load(spec)
+        hit = disk_cache.load(spec)  # the quick look: any flaw is a miss, looked at again below
         if hit is None:
-            with disk_cache.compile_lock(spec):
-                hit = disk_cache.load(spec)  # another process may have compiled it meanwhile
+            with disk_cache.compile_lock(spec) as held:
+                # Another process may have compiled it meanwhile; a flawed entry is reported here,
+                # and repaired only by the lock holder.
+                hit = disk_cache.load(spec, report=True, repair=held)
                 if hit is None:
                     return _compile(spec, t0, store=True)
         module, function = hit
