@@ -1,6 +1,6 @@
 """Ring attention (context parallelism) on 2 GPUs vs the unsharded kernel on 1 GPU (GPU machine).
 
-    python benchmarks/ring.py [--framework torch jax] [--seqlens 32768 65536 131072] [--out results.json]
+    python benchmarks/ring.py [--parts torch jax gemma] [--seqlens 32768 65536 131072] [--out results.json]
 
 Problem: d512 Hq32/Hkv4 (Gemma 4's global layer), B1, bf16, causal, fwd+bwd, total length N.
 * ``gpus=1``: ``xattn.torch.attention`` / ``xattn.jax.ffpa_attention`` on the whole sequence, one GPU.
@@ -15,6 +15,13 @@ is the whole problem's FLOPs over the step time (aggregate), ``efficiency`` = 2-
 (2 x 1-GPU throughput). Peak memory is ``torch.cuda.max_memory_allocated`` per rank (torch) or
 the device's ``peak_bytes_in_use`` (JAX). Timing: wall clock over synchronised steps, median of
 ``--iters`` after one warm-up step.
+
+Part ``gemma``: the longest sequence that trains. HF Gemma 4 with the 31B model's layer dims (hidden
+5376, MLP 21504, Hq 32; sliding Hkv 16 d256 window 1024; full Hkv 4 d512 k == v; 5 sliding : 1 full,
+6 layers, vocab 8192), B1 bf16, ``attn_implementation="ffpa"``, one train step (fwd + bwd of the LM
+loss, no activation checkpointing): 1 GPU on the whole sequence vs 2 GPUs with the sequence sharded
+(``xattn.torch.context_parallel``). Rows ``framework="torch", method="gemma4-31b-dims-6L"`` with
+``step_ms, tokens_per_s, peak_gib`` or ``oom: true``.
 """
 
 from __future__ import annotations
@@ -144,7 +151,8 @@ def _torch_worker(rank, world, port, seqlens, iters, path):
             json.dump(rows, f)
 
 
-def run_torch(seqlens, iters):
+def _spawn(worker, seqlens, iters):
+    """Run ``worker`` on 2 NCCL ranks; its rows (written by rank 0, also when a rank dies late)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -153,9 +161,115 @@ def run_torch(seqlens, iters):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     path = tempfile.mktemp(suffix=".json")
-    mp.start_processes(_torch_worker, args=(2, port, seqlens, iters, path), nprocs=2, start_method="spawn")
+    try:
+        mp.start_processes(worker, args=(2, port, seqlens, iters, path), nprocs=2, start_method="spawn")
+    except Exception as e:  # noqa: BLE001 -- keep what was measured
+        log(f"{worker.__name__} stopped: {type(e).__name__}: {str(e)[-300:]}")
+    if not os.path.exists(path):
+        return []
     with open(path) as f:
         return json.load(f)
+
+
+def run_torch(seqlens, iters):
+    return _spawn(_torch_worker, seqlens, iters)
+
+
+# --- torch: a Gemma 4 train step, 1 GPU vs 2 GPUs -------------------------------------------
+
+def gemma4_31b_dims(layers=6, vocab=8192):
+    """The 31B model's layer dims (see the module docstring), ``layers`` layers, a small vocab."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=vocab, hidden_size=5376, intermediate_size=21504, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+        num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6), max_position_embeddings=1 << 20,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=vocab)
+
+
+def _gemma_worker(rank, world, port, seqlens, iters, path):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    import xattn.torch as xt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=120))
+    xt.register_ffpa_attention()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(gemma4_31b_dims(), attn_implementation="ffpa", dtype=torch.bfloat16)
+    rows = []
+
+    def save():
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(rows, f)
+
+    def train_step(ids, labels, positions):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+
+    def measure(n, gpus, run):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        row = dict(framework="torch", method="gemma4-31b-dims-6L", seqlen=n, gpus=gpus)
+        try:
+            run()
+            times = []
+            for _ in range(iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times)
+            row.update(step_ms=round(step * 1e3, 1), tokens_per_s=round(n / step), iters=iters,
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 1))
+        except torch.OutOfMemoryError:
+            row.update(oom=True, peak_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 1))
+        model.zero_grad(set_to_none=True)
+        return row
+
+    for n in seqlens:
+        g = torch.Generator(device="cuda").manual_seed(n)
+        ids = torch.randint(0, 8192, (1, n), device="cuda", generator=g)
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        if rank == 0:
+            rows.append(measure(n, 1, lambda: train_step(ids, labels, None)))
+            log(f"gemma 1 GPU N={n}: {rows[-1]}")
+            save()
+        dist.barrier()
+        local, local_labels = xt.shard_sequence(ids), xt.shard_sequence(labels)
+        positions = xt.sequence_positions(n, device="cuda")[None]
+
+        def cp_step():
+            with xt.context_parallel():
+                train_step(local, local_labels, positions)
+
+        row = measure(n, 2, cp_step)
+        oom = torch.tensor(float(row.get("oom", False)), device="cuda")
+        dist.all_reduce(oom, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            rows.append(row)
+            log(f"gemma 2 GPUs N={n}: {row}")
+            save()
+        if float(oom):
+            break
+    dist.destroy_process_group()
+
+
+def run_gemma(seqlens, iters):
+    return _spawn(_gemma_worker, seqlens, iters)
 
 
 # --- JAX: shard_map over 2 devices -----------------------------------------------------------
@@ -233,17 +347,21 @@ def add_efficiency(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--framework", nargs="+", default=["torch", "jax"], choices=["torch", "jax"])
-    ap.add_argument("--seqlens", nargs="+", type=int, default=[32768, 65536, 131072])
+    ap.add_argument("--parts", nargs="+", default=["torch", "jax", "gemma"], choices=["torch", "jax", "gemma"])
+    ap.add_argument("--seqlens", nargs="+", type=int, default=None,
+                    help="default: 32768 65536 131072 (gemma: 16384 32768 65536 131072)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ring_h200x2.json"))
     args = ap.parse_args()
+    part_of = lambda r: "gemma" if r["method"].startswith("gemma") else r["framework"]  # noqa: E731
     rows = []
-    if os.path.exists(args.out):  # keep the other framework's rows
-        rows = [r for r in json.load(open(args.out))["rows"] if r["framework"] not in args.framework]
-    for fw in args.framework:
-        log(f"{fw}: N {args.seqlens}, {args.iters} iters")
-        rows += run_torch(args.seqlens, args.iters) if fw == "torch" else run_jax(args.seqlens, args.iters)
+    if os.path.exists(args.out):  # keep the other parts' rows
+        rows = [r for r in json.load(open(args.out))["rows"] if part_of(r) not in args.parts]
+    runners = dict(torch=run_torch, jax=run_jax, gemma=run_gemma)
+    for part in args.parts:
+        seqlens = args.seqlens or ([16384, 32768, 65536, 131072] if part == "gemma" else [32768, 65536, 131072])
+        log(f"{part}: N {seqlens}, {args.iters} iters")
+        rows += runners[part](seqlens, args.iters)
         with open(args.out, "w") as f:
             json.dump({"problem": f"d{D} Hq{HQ}/Hkv{HKV} B1 bf16 causal fwd+bwd", "rows": add_efficiency(rows)},
                       f, indent=1)

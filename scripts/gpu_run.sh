@@ -11,8 +11,8 @@
 #   redo-PART    the same, but the part's earlier rows are dropped and measured anew
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
-#   ring-FW      benchmarks/ring.py --framework FW (torch or jax; 2 GPUs) -> $OUT/results/ring_h200x2.json,
-#                continuing benchmarks/results/ring_h200x2.json (the other framework's rows are kept)
+#   ring-PART    benchmarks/ring.py --parts PART (torch, jax or gemma; 2 GPUs) -> $OUT/results/ring_h200x2.json,
+#                continuing benchmarks/results/ring_h200x2.json (the other parts' rows are kept)
 # Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S).
 # At most 8 files come back from $OUT: info.txt, gpu_tests.log, steps.log, cache_list.txt, results/*.json.
 # A kernel cache filled on the CPU machine (scripts/prefill_gpu_cache.py -> .gpu/kc, carried)
@@ -46,7 +46,7 @@ for step in "$@"; do
     timing) timeout "$t" python benchmarks/tools/timing_method_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     ring-*) [ -f benchmarks/results/ring_h200x2.json ] && [ ! -f "$OUT/results/ring_h200x2.json" ] \
               && cp benchmarks/results/ring_h200x2.json "$OUT/results/ring_h200x2.json"
-            timeout "$t" python benchmarks/ring.py --framework "${step#ring-}" --out "$OUT/results/ring_h200x2.json" \
+            timeout "$t" python benchmarks/ring.py --parts "${step#ring-}" --out "$OUT/results/ring_h200x2.json" \
               2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     full-*) timeout "$t" python benchmarks/full.py --part "${step#full-}" --append --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
