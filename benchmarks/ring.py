@@ -275,6 +275,9 @@ def run_gemma(seqlens, iters):
 # --- JAX: shard_map over 2 devices -----------------------------------------------------------
 
 def run_jax(seqlens, iters):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # let XLA overlap the ring's collective-permutes with the kernels
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_latency_hiding_scheduler=true"
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P

@@ -37,7 +37,7 @@ for step in "$@"; do
   case "$step" in
     tests) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
     tests-core) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider tests/core 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    tests-*) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    tests-*) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -30 ;;
     bench) timeout "$t" python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -30 ;;
     cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;
     redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \

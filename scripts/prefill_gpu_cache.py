@@ -83,6 +83,8 @@ def specs(recorded=None):
         add("fa4", 256, 256, 2, False, window=(4, 0), dtype=dtype)
         add("ffpa", 512, 512, 4, True, dtype=dtype)
     add("fa4", 256, 256, 2, False, window=(1023, 0), dtype="float16")
+    for window in ((1500, 0), (137, 0), (100, 37)):  # JAX ring halo tests (d128 GQA 4)
+        add("fa4", 128, 128, 4, False, window=window)
     seen, unique = set(), []
     for s in out:
         if s not in seen and supports(s) is None:
