@@ -336,10 +336,10 @@ def run_jax(seqlens, iters):
 
 def add_efficiency(rows):
     """``efficiency`` on every 2-GPU row: its throughput over twice the 1-GPU throughput at that N."""
-    single = {(r["framework"], r["seqlen"]): r["tflops"] for r in rows if r["gpus"] == 1}
+    single = {(r["framework"], r["seqlen"]): r["tflops"] for r in rows if r["gpus"] == 1 and "tflops" in r}
     for r in rows:
         base = single.get((r["framework"], r["seqlen"]))
-        if r["gpus"] == 2 and base:
+        if r["gpus"] == 2 and base and "tflops" in r:
             r["efficiency"] = round(r["tflops"] / (2 * base), 3)
     ring = {(r["framework"], r["seqlen"]): r["step_ms"] for r in rows if r["method"] == "ring"}
     for r in rows:
