@@ -68,9 +68,8 @@ def more(which, step, mesh):
         return [jax.random.normal(kk, (2, n, h, d), jnp.bfloat16) for kk, h in zip(ks, (hq, hkv, hkv))]
 
     def run(fn, spec, args, grad):
-        f = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-        if grad:
-            f = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        f = jax.grad(lambda *a: sharded(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if grad else sharded
         out = jax.jit(f)(*[jax.device_put(a, NamedSharding(mesh, spec)) for a in args])
         return float(sum(jnp.abs(o.astype(jnp.float32)).sum() for o in jax.tree.leaves(out)))
 
