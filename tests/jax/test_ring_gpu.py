@@ -30,6 +30,11 @@ def mesh():
         gpus = []
     if len(gpus) < 2:
         pytest.skip(f"ring attention needs 2 GPUs, found {len(gpus)}")
+    if os.environ.get("XATTN_JAX_MULTI_GPU_BWD") != "1":
+        # Measured on 2xH200 (benchmarks/results/logs/ring_h200x2.log): any xattn.jax backward on 2 GPUs of one
+        # process hangs, even batch-sharded without collectives (the forward and the ring forward run). Until
+        # that is fixed this test would hang the GPU suite; set XATTN_JAX_MULTI_GPU_BWD=1 to run it.
+        pytest.skip("known hang: xattn.jax backward on 2 GPUs in one process (issue #13/#12 item 4)")
     return Mesh(np.array(gpus[:2]), ("cp",))
 
 
