@@ -19,6 +19,10 @@ Run exactly or fall back exactly:
   FlashAttention convention ``(w-1, 0)`` causal / ``(w-1, w-1)`` not; packed rows from
   ``cu_seq_lens_q/k`` or restarting ``position_ids`` (batch 1).
 
+Context parallelism (``setup_ffpa_backend(cp_size > 1, False)`` or ``xattn.torch.context_parallel(group)``):
+every layer receives this rank's sequence shard; global layers run :func:`xattn.torch.ring.ring_attention`, sliding
+layers its halo exchange, and whatever cannot run sharded raises (there is no exact fallback on a shard).
+
 HF hands ``query [B, Hq, N, D]`` and ``key/value [B, Hkv, Nk, D]`` (SDPA layout); the kernels read
 ``[B, N, H, D]`` views of them (no copy). Never assumes 1/sqrt(d) (Gemma 4 uses ``scaling=1.0``).
 """
