@@ -11,10 +11,13 @@
 #   redo-PART    the same, but the part's earlier rows are dropped and measured anew
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
+#   jax-probe    benchmarks/tools/jax_two_gpu_probe.py (2 GPUs; native stacks of a hang when .gpu/tools/py-spy.xz
+#                is carried) -> $OUT/probe.log
 #   ring-PART    benchmarks/ring.py --parts PART (torch, jax or gemma; 2 GPUs) -> $OUT/results/ring_h200x2.json,
 #                continuing benchmarks/results/ring_h200x2.json (the other parts' rows are kept)
 # Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S).
-# At most 8 files come back from $OUT: info.txt, gpu_tests.log, steps.log, cache_list.txt, results/*.json.
+# At most 8 files come back from $OUT: info.txt, gpu_tests.log, steps.log, probe.log, cache_list.txt,
+# results/*.json.
 # A kernel cache filled on the CPU machine (scripts/prefill_gpu_cache.py -> .gpu/kc, carried)
 # is unpacked into $XATTN_CACHE_DIR first.
 set -uo pipefail
@@ -43,6 +46,11 @@ for step in "$@"; do
     redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
+    jax-probe) spy=""
+            if [ -f .gpu/tools/py-spy.xz ]; then xz -dc .gpu/tools/py-spy.xz > /var/tmp/py-spy && chmod +x /var/tmp/py-spy \
+              && spy="--py-spy /var/tmp/py-spy"; fi
+            timeout "$t" python benchmarks/tools/jax_two_gpu_probe.py --timeout "${PROBE_TIMEOUT:-45}" $spy ${PROBE_CASES:-} 2>&1 \
+              | grep -v Warning > "$OUT/probe.log"; grep "probe" "$OUT/probe.log" | tail -20 ;;
     timing) timeout "$t" python benchmarks/tools/timing_method_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     ring-*) [ -f benchmarks/results/ring_h200x2.json ] && [ ! -f "$OUT/results/ring_h200x2.json" ] \
               && cp benchmarks/results/ring_h200x2.json "$OUT/results/ring_h200x2.json"

@@ -1,89 +1,140 @@
-"""Where JAX on 2 GPUs stops (GPU machine): an xattn kernel on arrays committed to GPU 1, then a
-batch-sharded shard_map, then the ring; each step prints as it ends, and a stuck step dumps every
-thread's stack after --timeout seconds.
+"""Where JAX on 2 GPUs of one process stops (GPU machine). Each case runs in its own process with a
+timeout; a case that hangs gets every thread's Python stack (faulthandler) and, where py-spy is
+available (``--py-spy PATH``), its native stacks, then the next case runs.
 
-    python benchmarks/tools/jax_two_gpu_probe.py [--timeout 60]
+    python benchmarks/tools/jax_two_gpu_probe.py [--timeout 60] [--py-spy PATH] [CASE ...]
+
+Cases (default: all, in this order): see ``CASES``.
 """
+
+from __future__ import annotations
 
 import argparse
 import faulthandler
 import os
+import subprocess
 import sys
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+CASES = {
+    "dev1-bwd": "grad of flash_attention d128 GQA 4 on arrays committed to GPU 1 (one device)",
+    "dev1-fwd-ffpa-causal": "FFPA causal forward (aliased pre-filled outputs) on GPU 1 (one device)",
+    "batch-fwd-ffpa-causal": "batch-sharded shard_map of the FFPA causal forward (aliased) on 2 GPUs",
+    "batch-bwd-g1": "batch-sharded grad of flash_attention d128 GQA 1 (backward not aliased) on 2 GPUs",
+    "batch-bwd": "batch-sharded grad of flash_attention d128 GQA 4 (backward aliased) on 2 GPUs",
+    "batch-alias-noop": "batch-sharded aliased ffi_call of a Python no-op TVM-FFI function on 2 GPUs",
+    "batch-bwd-eager": "batch-bwd with CUDA_MODULE_LOADING=EAGER",
+    "batch-bwd-prewarm": "batch-bwd after running the backward once on each GPU alone",
+}
+
+
+def case(name: str) -> None:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import xattn.jax as xj
+
+    d0, d1 = jax.devices()[:2]
+    mesh = jax.sharding.Mesh(np.array([d0, d1]), ("x",))
+
+    def qkv(d, hq, hkv, n=512):
+        ks = jax.random.split(jax.random.PRNGKey(1), 3)
+        return [jax.random.normal(kk, (2, n, h, d), jnp.bfloat16) for kk, h in zip(ks, (hq, hkv, hkv))]
+
+    def total(tree):
+        return float(sum(jnp.abs(o.astype(jnp.float32)).sum() for o in jax.tree.leaves(tree)))
+
+    def grad_of(fn):
+        return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+    fa4 = lambda q, k, v: xj.flash_attention(q, k, v, causal=True)  # noqa: E731
+    ffpa = lambda q, k, v: xj.ffpa_attention(q, k, v, causal=True)  # noqa: E731
+
+    def single(fn, device, args):
+        return total(jax.jit(fn)(*[jax.device_put(a, device) for a in args]))
+
+    def batch(fn, args):
+        sharded = jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))
+        return total(jax.jit(sharded)(*[jax.device_put(a, NamedSharding(mesh, P("x"))) for a in args]))
+
+    def report(label, value):
+        print(f"probe: {name}: {label} = {value}", flush=True)
+
+    if name == "dev1-bwd":
+        report("gpu0", single(grad_of(fa4), d0, qkv(128, 8, 2)))
+        report("gpu1", single(grad_of(fa4), d1, qkv(128, 8, 2)))
+    elif name == "dev1-fwd-ffpa-causal":
+        report("gpu0", single(ffpa, d0, qkv(512, 8, 1)))
+        report("gpu1", single(ffpa, d1, qkv(512, 8, 1)))
+    elif name == "batch-fwd-ffpa-causal":
+        report("1 gpu", single(ffpa, d0, qkv(512, 8, 1)))
+        report("2 gpus", batch(ffpa, qkv(512, 8, 1)))
+    elif name == "batch-bwd-g1":
+        report("2 gpus", batch(grad_of(fa4), qkv(128, 8, 8)))
+    elif name in ("batch-bwd", "batch-bwd-eager"):
+        report("2 gpus", batch(grad_of(fa4), qkv(128, 8, 2)))
+    elif name == "batch-bwd-prewarm":
+        report("gpu0", single(grad_of(fa4), d0, qkv(128, 8, 2)))
+        report("gpu1", single(grad_of(fa4), d1, qkv(128, 8, 2)))
+        report("2 gpus", batch(grad_of(fa4), qkv(128, 8, 2)))
+    elif name == "batch-alias-noop":
+        import jax_tvm_ffi
+        import tvm_ffi
+
+        calls = []
+        jax_tvm_ffi.register_ffi_target("xattn_probe_noop", tvm_ffi.convert(lambda *a: calls.append(len(a))),
+                                        arg_spec=["args"], platform="gpu", pass_owned_tensor=True)
+
+        def noop(x):
+            buf = jnp.zeros_like(x)
+            return jax.ffi.ffi_call("xattn_probe_noop", jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    input_output_aliases={1: 0})(x, buf)
+        sharded = jax.shard_map(noop, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        x = jax.device_put(qkv(128, 8, 8)[0], NamedSharding(mesh, P("x")))
+        report("2 gpus", (total(jax.jit(sharded)(x)), calls))
+    else:
+        raise SystemExit(f"unknown case {name}")
+
+
+def run_case(name: str, timeout: float, py_spy: str | None) -> str:
+    env = dict(os.environ)
+    if name == "batch-bwd-eager":
+        env["CUDA_MODULE_LOADING"] = "EAGER"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, __file__, "--case", name, "--timeout", str(timeout)], env=env)
+    try:
+        rc = proc.wait(timeout=timeout)
+        status = "ok" if rc == 0 else f"exit {rc}"
+    except subprocess.TimeoutExpired:
+        status = "HANG"
+        if py_spy:
+            subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)], timeout=60)
+        proc.kill()
+        proc.wait()
+    line = f"probe-case {name}: {status} in {time.perf_counter() - t0:.1f} s ({CASES[name]})"
+    print(line, flush=True)
+    return line
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*", default=list(CASES))
     ap.add_argument("--timeout", type=float, default=60)
-    ap.add_argument("--steps", default="basic", help="basic | bwd-batch | ring-more")
+    ap.add_argument("--py-spy", default=None)
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import xattn.jax as xj
-
-    def step(name, fn):
-        faulthandler.dump_traceback_later(args.timeout, exit=True)
-        t0 = time.perf_counter()
-        out = fn()
-        faulthandler.cancel_dump_traceback_later()
-        print(f"probe: {name}: {out} ({time.perf_counter() - t0:.1f} s)", flush=True)
-
-    d0, d1 = jax.devices()[:2]
-    mesh = jax.sharding.Mesh([d0, d1], ("x",))
-    if args.steps != "basic":
-        return more(args.steps, step, mesh)
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, (2, 512, 8, 128), jnp.bfloat16) for kk in ks)
-    f = jax.jit(lambda q, k, v: xj.flash_attention(q, k, v, causal=True))
-    on = lambda d: [jax.device_put(x, d) for x in (q, k, v)]  # noqa: E731
-    step("gpu0", lambda: float(jnp.abs(f(*on(d0)).astype(jnp.float32)).sum()))
-    step("gpu1", lambda: (float(jnp.abs(f(*on(d1)).astype(jnp.float32)).sum()), f(*on(d1)).devices()))
-    step("gpu1 == gpu0 bits", lambda: bool((jax.device_get(f(*on(d1))) == jax.device_get(f(*on(d0)))).all()))
-    put = lambda s: [jax.device_put(x, NamedSharding(mesh, s)) for x in (q, k, v)]  # noqa: E731
-    body = lambda q, k, v: xj.flash_attention(q, k, v, causal=True)  # noqa: E731
-    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
-    step("shard_map batch", lambda: float(jnp.abs(g(*put(P("x"))).astype(jnp.float32)).sum()))
-    perm = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "x", [(0, 1), (1, 0)]), mesh=mesh,
-                                 in_specs=P(None, "x"), out_specs=P(None, "x")))
-    step("ppermute", lambda: float(perm(put(P(None, "x"))[0]).astype(jnp.float32).sum()))
-    ring = jax.jit(jax.shard_map(lambda q, k, v: xj.ring_attention(q, k, v, axis_name="x", causal=True), mesh=mesh,
-                                 in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x")))
-    step("ring fwd", lambda: float(jnp.abs(ring(*put(P(None, "x"))).astype(jnp.float32)).sum()))
-
-
-def more(which, step, mesh):
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import xattn.jax as xj
-
-    def qkv(d, hq, hkv, n):
-        ks = jax.random.split(jax.random.PRNGKey(1), 3)
-        return [jax.random.normal(kk, (2, n, h, d), jnp.bfloat16) for kk, h in zip(ks, (hq, hkv, hkv))]
-
-    def run(fn, spec, args, grad):
-        sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-        f = jax.grad(lambda *a: sharded(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if grad else sharded
-        out = jax.jit(f)(*[jax.device_put(a, NamedSharding(mesh, spec)) for a in args])
-        return float(sum(jnp.abs(o.astype(jnp.float32)).sum() for o in jax.tree.leaves(out)))
-
-    fa4 = lambda q, k, v: xj.flash_attention(q, k, v, causal=True)  # noqa: E731
-    ffpa = lambda q, k, v: xj.ffpa_attention(q, k, v, causal=True)  # noqa: E731
-    ring = lambda q, k, v: xj.ring_attention(q, k, v, axis_name="x", causal=True)  # noqa: E731
-    if which == "bwd-batch":
-        step("batch grad fa4 d128", lambda: run(fa4, P("x"), qkv(128, 8, 2, 512), True))
-        step("batch fwd ffpa d512", lambda: run(ffpa, P("x"), qkv(512, 8, 1, 512), False))
-        step("batch grad ffpa d512", lambda: run(ffpa, P("x"), qkv(512, 8, 1, 512), True))
-    else:
-        step("ring grad fa4 d128", lambda: run(ring, P(None, "x"), qkv(128, 8, 2, 512), True))
-        step("ring fwd ffpa d512", lambda: run(ring, P(None, "x"), qkv(512, 8, 1, 512), False))
-        step("ring grad ffpa d512", lambda: run(ring, P(None, "x"), qkv(512, 8, 1, 512), True))
+    if args.case:
+        # A little before the parent gives up, print every Python thread's stack (stays in the log).
+        faulthandler.dump_traceback_later(max(args.timeout - 10, 5), exit=False)
+        return case(args.case)
+    lines = [run_case(name, args.timeout, args.py_spy) for name in args.cases]
+    print("\n".join(["=== probe summary ===", *lines]), flush=True)
 
 
 if __name__ == "__main__":
