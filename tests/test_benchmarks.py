@@ -75,3 +75,34 @@ def test_plot(tmp_path):
     report = _load("report")
     report.plot(report.enrich(_rows()), str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_e2e_gemma4_jax_model_xattn_equals_xla_on_the_reference_path():
+    """The JAX e2e model wires xattn exactly like jax.nn (window, causal, GQA, k == v): fp32, CPU."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("flax.nnx")
+    from benchmarks.e2e_gemma4 import build_jax_step
+
+    dims = dict(hidden=64, mlp=128, heads=4, sliding_kv=2, sliding_d=32, window=8, full_kv=1, full_d=64, layers=6)
+    with jax.default_matmul_precision("highest"):
+        got = {}
+        for impl in ("xattn", "xla", "none"):
+            step, params, ids, labels = build_jax_step(impl, 40, dims, vocab=100, dtype="float32")
+            got[impl] = step(params, ids, labels)
+    (loss_x, grads_x), (loss_r, grads_r), (loss_0, _) = got["xattn"], got["xla"], got["none"]
+    assert abs(float(loss_x) - float(loss_r)) < 1e-5 * abs(float(loss_r))
+    assert abs(float(loss_0) - float(loss_r)) > 1e-3  # attention matters: the stand-in changes the loss
+    for a, b in zip(jax.tree.leaves(grads_x), jax.tree.leaves(grads_r)):
+        assert float(abs(a - b).max()) <= 1e-4 * float(abs(b).max()) + 1e-12
+
+
+def test_e2e_gemma4_derive_speedup_and_attention_share():
+    from benchmarks.e2e_gemma4 import derive, table
+
+    rows = [dict(framework="torch", impl=i, seqlen=8192, status="ok", step_s=s, tokens_per_s=1, peak_gib=1.0)
+            for i, s in (("ffpa", 0.4), ("sdpa", 0.6), ("none", 0.3))]
+    rows.append(dict(framework="torch", impl="sdpa", seqlen=32768, status="oom"))
+    rows = derive(rows)
+    assert rows[0]["speedup_vs_sdpa"] == 1.5 and rows[0]["attn_share"] == 0.25
+    assert rows[2]["attn_share"] is None
+    assert "oom" in table(rows)

@@ -1,0 +1,309 @@
+"""End-to-end Gemma 4 training step (issue #14): tokens/s and peak memory of one train step
+(forward + backward of the LM loss, no optimizer) with the Gemma-4-31B layer dims (hidden 5376,
+MLP 21504, 32 query heads; sliding layers: 16 KV heads, d256, window 1024; full layers: 4 KV
+heads, d512, k == v; 5 sliding : 1 full, 6 layers, vocab 8192), B 1, bf16, no checkpointing.
+
+    python benchmarks/e2e_gemma4.py [--parts torch,jax] [--seqlens 8192,16384,32768] [--out FILE]
+
+torch (HF ``AutoModelForCausalLM``): ``ffpa`` (xattn: FFPA on full layers, FA4 on sliding ones),
+``ffpa-flex`` (the seed's route: FFPA on full layers, FlexAttention on sliding ones,
+``XATTN_SLIDING_BACKEND=flex``), ``sdpa``, and ``none`` (attention replaced by a free stand-in
+that passes q through: the step without attention, so ``attn_share = 1 - none / impl``).
+JAX (a Flax nnx stack of the same layers, :func:`build_jax_step`): ``xattn`` (xattn.jax),
+``xla`` (``jax.nn.dot_product_attention(implementation="xla")``; cuDNN refuses d512), ``none``.
+
+Every (impl, N) runs in its own process (clean peak memory; an out-of-memory ends only that
+row). Rows: ``framework, impl, seqlen, step_s, tokens_per_s, peak_gib, speedup_vs_sdpa``
+(vs ``sdpa`` for torch, vs ``xla`` for JAX), ``attn_share``, ``status`` ("ok" / "oom" / "error: ...").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TORCH_IMPLS = ("ffpa", "ffpa-flex", "sdpa", "none")
+JAX_IMPLS = ("xattn", "xla", "none")
+BASELINE = {"torch": "sdpa", "jax": "xla"}
+VOCAB = 8192
+DIMS = dict(hidden=5376, mlp=21504, heads=32, sliding_kv=16, sliding_d=256, window=1024, full_kv=4, full_d=512,
+            layers=6)
+
+
+def log(msg: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- torch: HF Gemma 4 ---------------------------------------------------------------------------
+
+def _register_none() -> None:
+    """HF attention ``"none"``: returns q itself ([B, N, H, D]); the step's cost without attention."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def none_attention(module, query, key, value, attention_mask, **kwargs):
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register("none", none_attention)
+    AttentionMaskInterface.register("none", lambda *args, **kwargs: None)
+
+
+def torch_step(impl: str, n: int, iters: int) -> dict:
+    if impl == "ffpa-flex":
+        os.environ["XATTN_SLIDING_BACKEND"] = "flex"
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    import xattn.torch as xt
+    from benchmarks.ring import gemma4_31b_dims
+
+    xt.register_ffpa_attention()
+    _register_none()
+    attn = {"ffpa-flex": "ffpa"}.get(impl, impl)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(gemma4_31b_dims(DIMS["layers"], VOCAB), attn_implementation=attn,
+                                                 dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    ids = torch.randint(0, VOCAB, (1, n), device="cuda", generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, use_cache=False).logits
+        F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return dict(step_s=statistics.median(times), peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
+                device=torch.cuda.get_device_name())
+
+
+# --- JAX: a Flax nnx stack of the same layers -------------------------------------------------------
+
+def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, batch: int = 1, dtype: str = "bfloat16"):
+    """``(step, params, ids, labels)``: ``step(params, ids, labels) -> (loss, grads)``, jitted.
+
+    Each layer: RMSNorm -> q/k/v projections (full layers: v = k) -> q/k RMSNorm over the head dim
+    -> RoPE -> attention (sliding: causal window ``dims["window"]`` keys; full: causal) -> output
+    projection -> RMSNorm; then RMSNorm -> GeGLU MLP -> RMSNorm; residuals around both. Scale 1.0
+    (Gemma 4 normalises q instead; q_norm weights 0.1 keep the scores well-conditioned). Weights and
+    activations in ``dtype`` (float32 only for checks on the reference path), small random init.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import xattn.jax as xj
+
+    dt = jnp.dtype(dtype)
+    window = dims["window"]
+
+    def attention(q, k, v, sliding):
+        if impl == "none":
+            return q
+        if impl == "xattn":
+            if sliding:
+                return xj.flash_attention(q, k, v, scale=1.0, causal=True, window_size=(window - 1, 0))
+            return xj.ffpa_attention(q, k, v, scale=1.0, causal=True)
+        if impl == "xla":
+            return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="xla",
+                                                local_window_size=(window - 1, 0) if sliding else None)
+        raise ValueError(f"impl: expected one of {JAX_IMPLS}, got {impl!r}")
+
+    def rope(x, theta):
+        d = x.shape[-1]
+        freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+        angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs[None]
+        cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+    class Norm(nnx.Module):
+        def __init__(self, d, scale=1.0):
+            self.w = nnx.Param(jnp.full((d,), scale, dt))
+
+        def __call__(self, x):
+            x32 = x.astype(jnp.float32)
+            return (x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + 1e-6) * self.w.value).astype(dt)
+
+    def dense(din, dout, rngs):
+        return nnx.Linear(din, dout, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs,
+                          kernel_init=nnx.initializers.normal(0.02))
+
+    class Layer(nnx.Module):
+        def __init__(self, sliding, rngs):
+            h = dims["hidden"]
+            self.sliding = sliding
+            self.kv, self.d = (dims["sliding_kv"], dims["sliding_d"]) if sliding else (dims["full_kv"], dims["full_d"])
+            self.q = dense(h, dims["heads"] * self.d, rngs)
+            self.k = dense(h, self.kv * self.d, rngs)
+            self.v = dense(h, self.kv * self.d, rngs) if sliding else None
+            self.o = dense(dims["heads"] * self.d, h, rngs)
+            self.q_norm, self.k_norm = Norm(self.d, 0.1), Norm(self.d)
+            self.norms = nnx.List([Norm(h) for _ in range(4)])
+            self.gate, self.up, self.down = dense(h, dims["mlp"], rngs), dense(h, dims["mlp"], rngs), dense(dims["mlp"], h, rngs)
+
+        def __call__(self, x):
+            b, n, _ = x.shape
+            y = self.norms[0](x)
+            q = self.q(y).reshape(b, n, dims["heads"], self.d)
+            k_raw = self.k(y).reshape(b, n, self.kv, self.d)
+            v = (self.v(y).reshape(b, n, self.kv, self.d) if self.sliding else k_raw)
+            theta = 10_000.0 if self.sliding else 1_000_000.0
+            q, k = rope(self.q_norm(q), theta), rope(self.k_norm(k_raw), theta)
+            a = attention(q, k, v, self.sliding).reshape(b, n, -1)
+            x = x + self.norms[1](self.o(a))
+            y = self.norms[2](x)
+            return x + self.norms[3](self.down(jax.nn.gelu(self.gate(y), approximate=True) * self.up(y)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, dims["hidden"], dtype=dt, param_dtype=dt, rngs=rngs,
+                                   embedding_init=nnx.initializers.normal(0.02))
+            self.layers = nnx.List([Layer(i % 6 != 5, rngs) for i in range(dims["layers"])])
+            self.final = Norm(dims["hidden"])
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return self.embed.attend(self.final(x))
+
+    model = Model(nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def loss_fn(params, ids, labels):
+        logits = nnx.merge(graphdef, params)(ids).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
+
+    ids = jax.random.randint(jax.random.PRNGKey(n), (batch, n), 0, vocab)
+    labels = jnp.roll(ids, -1, axis=1)
+    return jax.jit(jax.value_and_grad(loss_fn)), params, ids, labels
+
+
+def jax_step(impl: str, n: int, iters: int) -> dict:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    step, params, ids, labels = build_jax_step(impl, n)
+    jax.block_until_ready(step(params, ids, labels))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(params, ids, labels))
+        times.append(time.perf_counter() - t0)
+    dev = jax.devices()[0]
+    return dict(step_s=statistics.median(times), peak_gib=(dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30,
+                device=dev.device_kind)
+
+
+# --- driver ------------------------------------------------------------------------------------------
+
+def _is_oom(text: str) -> bool:
+    return any(s in text for s in ("OutOfMemoryError", "RESOURCE_EXHAUSTED", "out of memory", "Out of memory"))
+
+
+def measure(framework: str, impl: str, n: int, iters: int, timeout: float) -> dict:
+    """One (impl, N) in a child process; returns the row (status "ok", "oom" or "error: ...")."""
+    row = dict(framework=framework, impl=impl, seqlen=n, batch=1, layers=DIMS["layers"], iters=iters)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", framework, impl, str(n), str(iters)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": f"error: timeout after {timeout:.0f} s"}
+    result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode == 0 and result:
+        got = json.loads(result[-1][7:])
+        row.update(status="ok", step_s=round(got["step_s"], 4), tokens_per_s=round(n / got["step_s"]),
+                   peak_gib=round(got["peak_gib"], 1), device=got["device"])
+    elif _is_oom(proc.stderr + proc.stdout):
+        row.update(status="oom")
+    else:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        row.update(status=f"error: {tail[:300]}")
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    """Add ``speedup_vs_sdpa`` (vs the framework's baseline) and ``attn_share`` (1 - none / impl)."""
+    ok = {(r["framework"], r["impl"], r["seqlen"]): r for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        base = ok.get((r["framework"], BASELINE[r["framework"]], r["seqlen"]))
+        r["speedup_vs_sdpa"] = round(base["step_s"] / r["step_s"], 3) if base else None
+        free = ok.get((r["framework"], "none", r["seqlen"]))
+        r["attn_share"] = round(1 - free["step_s"] / r["step_s"], 3) if free and r["impl"] != "none" else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| framework | impl | N | step s | tokens/s | peak GiB | vs baseline | attention share |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['framework']} | {r['impl']} | {r['seqlen']} | {r['status']} | | | | |")
+            continue
+        sp = r.get("speedup_vs_sdpa")
+        share = r.get("attn_share")
+        lines.append(f"| {r['framework']} | {r['impl']} | {r['seqlen']} | {r['step_s']:.3f} | {r['tokens_per_s']} | "
+                     f"{r['peak_gib']} | {'' if sp is None else f'{sp:.2f}x'} | "
+                     f"{'' if share is None else f'{share:.0%}'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="torch,jax")
+    ap.add_argument("--seqlens", default="8192,16384,32768")
+    ap.add_argument("--impls", default=None, help="comma list; default: all of each framework")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per (impl, N) process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        framework, impl, n, iters = args.child
+        got = (torch_step if framework == "torch" else jax_step)(impl, int(n), int(iters))
+        print("RESULT " + json.dumps(got), flush=True)
+        return
+    rows = []
+    if args.out and os.path.exists(args.out):
+        rows = json.load(open(args.out)).get("rows", [])
+    seqlens = [int(s) for s in args.seqlens.split(",")]
+    for framework in args.parts.split(","):
+        impls = args.impls.split(",") if args.impls else (TORCH_IMPLS if framework == "torch" else JAX_IMPLS)
+        for n in seqlens:
+            for impl in impls:
+                rows = [r for r in rows if (r["framework"], r["impl"], r["seqlen"]) != (framework, impl, n)]
+                rows.append(measure(framework, impl, n, args.iters, args.timeout))
+                log(json.dumps(rows[-1]))
+                rows = derive(rows)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(dict(benchmark="e2e_gemma4", dims=DIMS, vocab=VOCAB, rows=rows), f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
