@@ -113,3 +113,56 @@ def test_target_names_are_deterministic():
     names = _ffi.registered_targets()
     assert any(n.startswith("xattn_fa4_fwd_float16_d128x128_g1_full_dense_sm_90a_") and n.endswith("_cpu")
                for n in names), names
+
+
+def _buffer_makers(jaxpr):
+    """``[(primitive, shape)]`` of the eqns (nested jaxprs included) that make arrays from nothing."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("empty", "broadcast_in_dim") and not any(
+                hasattr(v, "aval") and getattr(v.aval, "shape", ()) for v in eqn.invars):
+            found += [(eqn.primitive.name, tuple(v.aval.shape)) for v in eqn.outvars]
+        for p in eqn.params.values():
+            inner = getattr(p, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                found += _buffer_makers(inner)
+            elif hasattr(p, "eqns"):
+                found += _buffer_makers(p)
+    return found
+
+
+def test_backward_fills_only_the_buffers_that_need_it():
+    """FA4 GQA backward: dk_accum/dv_accum (atomic targets) are zero-filled; dq_accum, dpsum and
+    lse_log2 (written by the kernel's preprocess) and dq/dk/dv come from ``lax.empty``."""
+    from xattn.core.spec import KernelSpec
+    from xattn.core.workspace import bwd_workspace_shapes
+
+    q, k, v = _qkv(5, (2, 40, 8, 128), (2, 56, 2, 128))
+    out, lse = xj.fa4_fwd(q, k, v, scale=0.1, causal=True, backend="kernel")
+    jaxpr = jax.make_jaxpr(lambda *a: xj.fa4_bwd(*a, scale=0.1, causal=True, backend="kernel"))(out, q, k, v, out, lse)
+    makers = _buffer_makers(jaxpr.jaxpr)
+    spec = KernelSpec("fa4", "bwd", "float16", 128, 128, 4, True, False)
+    layout = {name: (tuple(shape), fill) for name, shape, _, fill in bwd_workspace_shapes(spec, 2, 40, 56, 80, 112, 8, 2)}
+    filled = {shape for shape, fill in layout.values() if fill is not None}
+    assert filled == {layout["dk_accum"][0], layout["dv_accum"][0]}
+    assert {shape for prim, shape in makers if prim == "broadcast_in_dim"} == filled
+    assert {layout["dq_accum"][0], layout["dpsum"][0], q.shape, k.shape} <= {shape for prim, shape in makers if prim == "empty"}
+    dq, dk, dv = jax.jit(lambda *a: xj.fa4_bwd(*a, scale=0.1, causal=True, backend="kernel"))(out, q, k, v, out, lse)
+    ref = xj.fa4_bwd(*(x.astype(jnp.float32) for x in (out, q, k, v, out)), lse, scale=0.1, causal=True,
+                     backend="reference")
+    for a, b in zip((dq, dk, dv), ref):
+        np.testing.assert_allclose(a.astype(np.float32), b, atol=2e-2, rtol=2e-2)
+
+
+def test_gpu_targets_are_registered_command_buffer_compatible(monkeypatch):
+    seen = {}
+
+    def fake_register(name, function, **kwargs):
+        seen[name] = kwargs
+
+    monkeypatch.setattr(_ffi, "_jax_tvm_ffi", lambda: type("M", (), {"register_ffi_target": staticmethod(fake_register)}))
+    monkeypatch.setattr(_ffi, "_registered", {})
+    _ffi.set_launcher_provider(lambda spec: (object(), "gpu"))
+    q, k, v = _qkv(6, (1, 8, 2, 128), (1, 8, 2, 128))
+    jax.make_jaxpr(lambda q, k, v: xj.flash_attention(q, k, v, causal=True, backend="kernel"))(q, k, v)
+    assert seen and all(kw["allow_cuda_graph"] and kw["platform"] == "gpu" for kw in seen.values())

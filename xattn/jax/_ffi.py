@@ -8,9 +8,15 @@ Calling convention (launcher parameters are inputs first, then outputs and works
 
 * no output needs a pre-fill (``spec.output_fill()`` empty, no workspace ``fill``):
   ``arg_spec=["args", "rets", "attrs.softmax_scale"]``; XLA allocates the outputs;
-* otherwise every output and workspace buffer goes in as an input initialised by XLA
-  (zeros / -inf) and aliased to the matching result; ``arg_spec=["args", "attrs.softmax_scale"]``
-  (XLA hands uninitialised result buffers, so pre-filled outputs must be aliased inputs).
+* otherwise every output and workspace buffer goes in as an input aliased to the matching
+  result; ``arg_spec=["args", "attrs.softmax_scale"]`` (XLA hands uninitialised result buffers,
+  so pre-filled outputs must be aliased inputs). Only the buffers with a fill are filled
+  (``jnp.full``); the others come from ``jax.lax.empty`` (XLA's ``AllocateBuffer`` on GPU:
+  no memset), so e.g. FA4's large fp32 ``dq_accum`` is never zeroed for nothing.
+
+GPU targets are registered command-buffer compatible (``allow_cuda_graph``): the launchers
+only enqueue kernels on the stream XLA hands them (no allocation, no host sync), so XLA may
+capture them into CUDA graphs with the ops around them.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ def _target(spec: KernelSpec, aliased: bool) -> str:
             jax_tvm_ffi = _jax_tvm_ffi()
             arg_spec = ["args", "attrs.softmax_scale"] if aliased else ["args", "rets", "attrs.softmax_scale"]
             jax_tvm_ffi.register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
-                                            pass_owned_tensor=platform == "cpu")
+                                            allow_cuda_graph=platform == "gpu", pass_owned_tensor=platform == "cpu")
             _registered[name] = function
     return name
 
@@ -134,7 +140,8 @@ def call(spec: KernelSpec, inputs, outputs, workspace, softmax_scale: float, vma
     scale = np.float32(softmax_scale)
     if aliased:
         n_in = len(inputs)
-        initial = [jnp.full(s, 0.0 if f is None else f, dtype=jnp.dtype(d)) for _, s, d, f in buffers]
+        initial = [jax.lax.empty(s, jnp.dtype(d)) if f is None else jnp.full(s, f, dtype=jnp.dtype(d))
+                   for _, s, d, f in buffers]
         aliases = {n_in + i: i for i in range(len(buffers))}
         res = jax.ffi.ffi_call(_target(spec, True), result, input_output_aliases=aliases, **kw)(
             *inputs, *initial, softmax_scale=scale)
