@@ -9,6 +9,11 @@ convention; ``jax.nn`` is top-left): query i sees key j iff j <= i + Nk - Nq.
 (:mod:`xattn.jax.reference`, pure jnp, any device), ``"auto"`` (kernel on GPU, reference on
 other platforms). An unsupported configuration on ``"kernel"``/``"auto"``-on-GPU raises
 ``NotImplementedError`` naming the reason; it never falls back silently.
+
+Determinism: forwards and the FFPA backward are bitwise reproducible; the FA4 backward is not (fp32
+reduce-add of dQ / GQA dK/dV partials). ``XATTN_DETERMINISTIC=1`` (or XLA's
+``--xla_gpu_deterministic_ops=true`` in ``XLA_FLAGS``) makes tracing an FA4 backward on the kernels
+raise, ``=warn`` warn; see :mod:`xattn.jax.determinism`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from xattn.core.spec import KernelSpec, supports
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
+from .determinism import check_backward
 from .reference import attention_reference, attention_reference_bwd
 
 __all__ = ["ffpa_attention", "flash_attention", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd"]
@@ -59,6 +65,8 @@ class Config:
         reason = supports(spec)
         if reason is not None:
             raise NotImplementedError(reason)
+        if direction == "bwd":
+            check_backward(spec)  # XATTN_DETERMINISTIC: raise/warn for a nondeterministic backward
         return spec
 
 

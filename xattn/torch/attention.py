@@ -5,6 +5,12 @@ q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` (or varlen ``[T, H, D]`` with i
 bottom-right aligned (FlashAttention); ``window_size=(left, right)``, ``None`` = unbounded, and
 ``causal=True`` with a left window is the window ``(left, 0)``. ``family`` defaults by head dim
 (:func:`xattn.core.spec.family_for`); unsupported dims get the core's NotImplementedError.
+
+Determinism (:mod:`xattn.core.determinism`): the forward of both families and the FFPA backward
+(every config, GQA and varlen included) give bitwise identical results run to run. The FA4 backward
+does not: it adds fp32 partials of dQ (over key blocks) and, under GQA, of dK/dV (over the q heads
+of a group) with reduce-add in scheduling order. Under ``torch.use_deterministic_algorithms(True)``
+an FA4 backward raises torch's RuntimeError naming the op; with ``warn_only=True`` it warns and runs.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
                        window_size=(None, None), cu_seqlens_q=None, cu_seqlens_k=None,
                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                        family: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; out is differentiable (lse is not). See the module docstring for layouts."""
+    """``(out, lse)``; out is differentiable (lse is not). See the module docstring for layouts and
+    determinism (the FA4 backward alerts under ``torch.use_deterministic_algorithms(True)``)."""
     family = family or default_family(q.shape[-1], v.shape[-1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     causal, left, right = canonical_mask(bool(causal), *window_size)

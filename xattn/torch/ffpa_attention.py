@@ -23,6 +23,11 @@ Context parallelism (``setup_ffpa_backend(cp_size > 1, False)`` or ``xattn.torch
 every layer receives this rank's sequence shard; global layers run :func:`xattn.torch.ring.ring_attention`, sliding
 layers its halo exchange, and whatever cannot run sharded raises (there is no exact fallback on a shard).
 
+Determinism: with ``torch.use_deterministic_algorithms(True)`` the backward of a layer that runs
+on FA4 (head_dim <= 256, sliding layers) raises torch's RuntimeError naming the op (``warn_only=True``:
+warns and runs), because FA4 reduce-adds fp32 dQ / GQA dK/dV partials in scheduling order; layers on
+FFPA (head_dim 320-512) and every forward are bitwise reproducible (see :mod:`xattn.torch.attention`).
+
 HF hands ``query [B, Hq, N, D]`` and ``key/value [B, Hkv, Nk, D]`` (SDPA layout); the kernels read
 ``[B, N, H, D]`` views of them (no copy). Never assumes 1/sqrt(d) (Gemma 4 uses ``scaling=1.0``).
 """

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 import xattn.core as xc
+from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 
 __all__ = ["fwd", "bwd", "attention_op"]
@@ -86,10 +87,20 @@ def _fwd_fake(q, k, v, family, softmax_scale, causal, window_left, window_right,
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
+def _alert_not_deterministic(op: str) -> None:
+    """torch's own alert for nondeterministic ops: RuntimeError under
+    ``torch.use_deterministic_algorithms(True)``, a UserWarning with ``warn_only=True``."""
+    from torch._prims_common import alert_not_deterministic
+
+    alert_not_deterministic(op)
+
+
 def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     varlen = cu_seqlens_q is not None
     spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
+    if torch.are_deterministic_algorithms_enabled() and nondeterministic_op(spec) is not None:
+        _alert_not_deterministic(nondeterministic_op(spec))  # raises, or warns under warn_only
     fills = spec.output_fill()
     no_rows = q.numel() == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
     grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows else fills.get(n))
