@@ -97,7 +97,7 @@ def test_shard_sequence_layout_and_errors():
     x = torch.arange(12).view(1, 12)
     assert ring.shard_sequence(x, rank=0, world_size=3).tolist() == [[0, 1, 10, 11]]
     assert ring.shard_sequence(x, rank=2, world_size=3).tolist() == [[4, 5, 6, 7]]
-    with pytest.raises(ValueError, match="multiple of 2 x world size"):
+    with pytest.raises(ValueError, match="multiple of 2 \\* world_size"):
         ring.shard_sequence(torch.zeros(1, 10), rank=0, world_size=3)
 
 

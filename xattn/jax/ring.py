@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from xattn.core.ring_layout import chunk_length, chunks_of, edge_widths, halo_plan
 from xattn.core.spec import FA4_HEAD_DIMS, canonical_mask, family_for
 
 from . import _ffi
@@ -77,14 +78,12 @@ class RingConfig:
 # --- the dual-chunk layout ----------------------------------------------------------------
 
 def _check_layout(seqlen: int, world_size, rank=None) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
-    if seqlen % (2 * world_size):
-        raise ValueError(f"seqlen {seqlen} must be a multiple of 2 * world_size = {2 * world_size} "
-                         "(the dual-chunk layout cuts it into 2 * world_size equal chunks)")
+    if isinstance(world_size, np.integer):
+        world_size = int(world_size)
+    chunk = chunk_length(seqlen, world_size)
     if rank is not None and not (isinstance(rank, (int, np.integer)) and 0 <= rank < world_size):
         raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
-    return seqlen // (2 * world_size)
+    return chunk
 
 
 def _slice(x, axis: int, lo: int, hi: int):
@@ -95,7 +94,7 @@ def _slice(x, axis: int, lo: int, hi: int):
 
 def _chunks_of(world_size: int, rank=None) -> list[int]:
     ranks = range(world_size) if rank is None else [rank]
-    return [c for r in ranks for c in (r, 2 * world_size - 1 - r)]
+    return [c for r in ranks for c in chunks_of(world_size, r)]
 
 
 def shard_sequence(x, world_size: int, rank: int | None = None, axis: int = 1):
@@ -214,35 +213,6 @@ def _ring_backward(cfg: RingConfig, dout, q, k, v, out, lse):
 
 # --- halo (sliding windows) ---------------------------------------------------------------
 
-def _location(c: int, size: int) -> tuple[int, int]:
-    """(device, slot) holding chunk c."""
-    return (c, 0) if c < size else (2 * size - 1 - c, 1)
-
-
-def _plan(cfg: RingConfig, c: int, chunk: int):
-    """Static halo plan of chunk c: ``(pieces_l, pieces_r, hr)``; pieces are ``(device, slot, lo, hi)``
-    token ranges of the gathered tails/heads, in sequence order; hr = real right-halo length."""
-    left, right = cfg.window
-    n = 2 * cfg.size * chunk
-    hl, hr = min(left, c * chunk), min(right, n - (c + 1) * chunk)
-    tl, tr = min(left, chunk), min(right, chunk)
-    pieces_l, need = [], hl
-    for j in range(c - 1, -1, -1):  # tails of the chunks before c, nearest first
-        if need == 0:
-            break
-        take = min(need, tl)
-        pieces_l.insert(0, (*_location(j, cfg.size), tl - take, tl))
-        need -= take
-    pieces_r, need = [], hr
-    for j in range(c + 1, 2 * cfg.size):
-        if need == 0:
-            break
-        take = min(need, tr)
-        pieces_r.append((*_location(j, cfg.size), 0, take))
-        need -= take
-    return pieces_l, pieces_r, hr
-
-
 def _gather_halos(cfg: RingConfig, k, v):
     """``(tails, heads)``: ``(k, v)`` pairs ``[P, 2, B, T, Hkv, D]`` of every chunk's last min(left, L) /
     first min(right, L) tokens (None for an empty side)."""
@@ -252,7 +222,7 @@ def _gather_halos(cfg: RingConfig, k, v):
     def gather(lo, hi):
         return tuple(lax.all_gather(jnp.stack([x[:, lo:hi], x[:, chunk + lo:chunk + hi]]), cfg.axis_name)
                      for x in (k, v))
-    tl, tr = min(left, chunk), min(right, chunk)
+    tl, tr = edge_widths(chunk, left, right)
     return (gather(chunk - tl, chunk) if tl else None), (gather(0, tr) if tr else None)
 
 
@@ -273,11 +243,10 @@ def _scatter(buf, pieces, grad):
 
 
 def _slots(cfg: RingConfig, r: int, chunk: int):
-    """Per local slot: ``(slot, window, pieces_l, pieces_r)`` for device r (static)."""
-    left, right = cfg.window
-    for slot, c in enumerate((r, 2 * cfg.size - 1 - r)):
-        pieces_l, pieces_r, hr = _plan(cfg, c, chunk)
-        yield slot, (left + hr, right - hr), pieces_l, pieces_r
+    """Per local slot: ``(slot, window, pieces_l, pieces_r)`` for device r (static; see ``halo_plan``)."""
+    for slot, c in enumerate(chunks_of(cfg.size, r)):
+        plan = halo_plan(c, cfg.size, chunk, *cfg.window)
+        yield slot, plan.window(*cfg.window), plan.before, plan.after
 
 
 def _halo_forward(cfg: RingConfig, q, k, v):

@@ -31,6 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from xattn.core.ring_layout import causal_ring_source, chunk_length, chunks_of, edge_widths, halo_plan
 from xattn.core.spec import canonical_mask
 
 from . import ops
@@ -45,17 +46,6 @@ def _world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _chunk_order(world_size: int, rank: int) -> tuple[int, int]:
-    return rank, 2 * world_size - 1 - rank
-
-
-def _check_divisible(n: int, world_size: int, what: str) -> int:
-    if n % (2 * world_size):
-        raise ValueError(f"{what}: sequence length {n} must be a multiple of 2 x world size = {2 * world_size} "
-                         "(the load-balanced layout cuts it into 2 chunks per rank); pad it")
-    return n // (2 * world_size)
-
-
 def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, rank: int | None = None,
                    world_size: int | None = None) -> torch.Tensor:
     """This rank's load-balanced shard of a full sequence: chunks ``r`` and ``2P-1-r`` of ``x``
@@ -63,8 +53,8 @@ def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, rank: int | Non
     default to ``group``'s; pass both to shard without an initialised process group."""
     if rank is None or world_size is None:
         rank, world_size = _world(group)
-    chunk = _check_divisible(x.shape[dim], world_size, "shard_sequence")
-    a, b = _chunk_order(world_size, rank)
+    chunk = chunk_length(x.shape[dim], world_size, "shard_sequence")
+    a, b = chunks_of(world_size, rank)
     return torch.cat([x.narrow(dim, a * chunk, chunk), x.narrow(dim, b * chunk, chunk)], dim=dim)
 
 
@@ -93,7 +83,7 @@ def unshard_sequence(x: torch.Tensor, group=None, *, dim: int = 1) -> torch.Tens
     parts = _AllGather.apply(x, group).unbind(0)
     chunks = [None] * (2 * world_size)
     for r, part in enumerate(parts):
-        a, b = _chunk_order(world_size, r)
+        a, b = chunks_of(world_size, r)
         chunks[a], chunks[b] = part.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)
 
@@ -168,8 +158,8 @@ def _ring_blocks(rank: int, world_size: int, step: int, causal: bool, chunk: int
         return full, full, causal
     if not causal:
         return full, full, False
-    src = (rank - step) % world_size
-    if src < rank:  # the held block's first chunk precedes both local chunks; its second follows both
+    _, earlier = causal_ring_source(rank, world_size, step)
+    if earlier:  # the held block's first chunk precedes both local chunks; its second follows both
         return full, slice(0, chunk), False
     return slice(chunk, None), full, False  # only the local second chunk follows anything of a later rank
 
@@ -219,36 +209,17 @@ def _ring_backward(p: _Params, group, dout, q, k, v, out, lse):
 # --- sliding windows: the halo exchange -------------------------------------------------------
 
 class _Halo:
-    """Where each local chunk's halo comes from: edges of width ``tail``/``head`` of every chunk,
-    gathered from all ranks as ``[P, 2, B, width, H, D]`` (slot 0/1 = a rank's first/second chunk)."""
+    """This rank's view of the halo exchange (:mod:`xattn.core.ring_layout`): edges of width
+    ``tail``/``head`` of every chunk, gathered from all ranks as ``[P, 2, B, width, H, D]``
+    (slot 0/1 = a rank's first/second chunk)."""
 
     def __init__(self, rank, world_size, chunk, left, right):
         self.rank, self.world_size, self.chunk = rank, world_size, chunk
-        self.tail, self.head = min(left, chunk), min(right, chunk)
+        self.tail, self.head = edge_widths(chunk, left, right)
         self.left, self.right = left, right
 
-    def where(self, c: int) -> tuple[int, int]:
-        """(rank, slot) holding global chunk ``c``."""
-        return (c, 0) if c < self.world_size else (2 * self.world_size - 1 - c, 1)
-
-    def sources(self, c: int):
-        """``(before, after)``: lists of ``(rank, slot, start, stop)`` edge slices forming the halos of chunk c."""
-        n_chunks = 2 * self.world_size
-        before, need = [], self.left
-        for prev in range(c - 1, -1, -1):
-            if need <= 0:
-                break
-            take = min(need, self.tail)
-            before.insert(0, (*self.where(prev), self.tail - take, self.tail))
-            need -= take
-        after, need = [], self.right
-        for nxt in range(c + 1, n_chunks):
-            if need <= 0:
-                break
-            take = min(need, self.head)
-            after.append((*self.where(nxt), 0, take))
-            need -= take
-        return before, after
+    def plan(self, c: int):
+        return halo_plan(c, self.world_size, self.chunk, self.left, self.right)
 
 
 def _gather_edges(group, x, halo: _Halo):
@@ -266,13 +237,12 @@ def _gather_edges(group, x, halo: _Halo):
     return out
 
 
-def _extended(x, slot, edges, halo: _Halo, c: int):
+def _extended(x, slot, edges, plan):
+    """``[before halo, own chunk, after halo]`` of ``x`` for one local slot."""
     tails, heads = edges
-    before, after = halo.sources(c)
-    own = x[:, slot * halo.chunk:(slot + 1) * halo.chunk]
-    parts = [tails[r, s, :, a:b] for r, s, a, b in before] + [own] + [heads[r, s, :, a:b] for r, s, a, b in after]
-    widths = (sum(b - a for _, _, a, b in before), sum(b - a for _, _, a, b in after))
-    return torch.cat(parts, dim=1), widths
+    chunk = x.shape[1] // 2
+    parts = [tails[r, s, :, a:b] for r, s, a, b in plan.before] + [x[:, slot * chunk:(slot + 1) * chunk]]
+    return torch.cat(parts + [heads[r, s, :, a:b] for r, s, a, b in plan.after], dim=1)
 
 
 def _halo_forward(p: _Params, group, q, k, v):
@@ -280,11 +250,10 @@ def _halo_forward(p: _Params, group, q, k, v):
     halo = _Halo(rank, world_size, q.shape[1] // 2, p.left, p.right)
     k_edges, v_edges = _gather_edges(group, k, halo), _gather_edges(group, v, halo)
     outs, lses = [], []
-    for slot, c in enumerate(_chunk_order(world_size, rank)):
-        k_ext, (_, hr) = _extended(k, slot, k_edges, halo, c)
-        v_ext, _ = _extended(v, slot, v_edges, halo, c)
-        o, l_ = p.fwd(q[:, slot * halo.chunk:(slot + 1) * halo.chunk], k_ext, v_ext, False, p.left + hr,
-                      p.right - hr)
+    for slot, c in enumerate(chunks_of(world_size, rank)):
+        plan = halo.plan(c)
+        o, l_ = p.fwd(q[:, slot * halo.chunk:(slot + 1) * halo.chunk], _extended(k, slot, k_edges, plan),
+                      _extended(v, slot, v_edges, plan), False, *plan.window(p.left, p.right))
         outs.append(o)
         lses.append(l_)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
@@ -300,18 +269,18 @@ def _halo_backward(p: _Params, group, dout, q, k, v, out, lse):
     # gradients for every rank's chunk edges, summed over ranks: [tails/heads][k/v] of [P, 2, B, w, H, D]
     edge_grads = [[None if e is None else torch.zeros_like(e, dtype=torch.float32) for e in edges]
                   for edges in zip(k_edges, v_edges)]
-    for slot, c in enumerate(_chunk_order(world_size, rank)):
+    for slot, c in enumerate(chunks_of(world_size, rank)):
         rows = slice(slot * chunk, (slot + 1) * chunk)
-        k_ext, (hl, hr) = _extended(k, slot, k_edges, halo, c)
-        v_ext, _ = _extended(v, slot, v_edges, halo, c)
-        dq_c, dk_ext, dv_ext = p.bwd(dout[:, rows], q[:, rows], k_ext, v_ext, out[:, rows], lse[:, :, rows],
-                                     False, p.left + hr, p.right - hr)
+        plan = halo.plan(c)
+        hl = plan.left_len
+        dq_c, dk_ext, dv_ext = p.bwd(dout[:, rows], q[:, rows], _extended(k, slot, k_edges, plan),
+                                     _extended(v, slot, v_edges, plan), out[:, rows], lse[:, :, rows], False,
+                                     *plan.window(p.left, p.right))
         dq[:, rows] = dq_c
         dk[:, rows] += dk_ext[:, hl:hl + chunk]
         dv[:, rows] += dv_ext[:, hl:hl + chunk]
-        before, after = halo.sources(c)
         pos = 0
-        for side, spans in ((0, before), (None, None), (1, after)):
+        for side, spans in ((0, plan.before), (None, None), (1, plan.after)):
             if side is None:
                 pos += chunk
                 continue
