@@ -11,7 +11,7 @@ CALLS = []
 
 def _stub_fwd(family):
     def run(q, k, v, out, lse, *, softmax_scale, causal, window_size=(None, None), cu_seqlens_q=None,
-            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None):
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None, check_inputs=None):
         spec = ops._spec("fwd", family, q, k, v, causal, -1, -1, cu_seqlens_q is not None)
         for name, value in spec.output_fill().items():  # the op applied the documented pre-fill
             assert torch.all(dict(out=out, lse=lse)[name] == value), name
@@ -28,7 +28,8 @@ def _stub_fwd(family):
 
 def _stub_bwd(family):
     def run(dout, q, k, v, out, lse, dq, dk, dv, *, workspace, softmax_scale, causal, window_size=(None, None),
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None):
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None,
+            check_inputs=None):
         assert len(workspace) >= 2 and all(w.dtype == torch.float32 for w in workspace)
         if cu_seqlens_q is None:
             grads = ref_bwd(dout, q, k, v, out, lse, scale=softmax_scale, causal=causal, window=window_size)

@@ -16,7 +16,12 @@ launcher for its :class:`KernelSpec` on first use, then enqueues the kernels:
 
 Nothing is allocated here: outputs and workspace come from the caller. cu_seqlens
 values are not read on the host (that would synchronise): the caller guarantees
-``0 = cu[0] <= cu[1] <= ... <= cu[B] <= T`` and segment lengths <= max_seqlen.
+``0 = cu[0] <= cu[1] <= ... <= cu[B] <= T`` and segment lengths <= max_seqlen. A call that
+breaks this is not detected: the kernels read/write outside the segments or the tensors
+(wrong results, or an illegal memory access that kills the CUDA context). Checked mode
+(``check_inputs=True`` on the varlen calls, or ``XATTN_CHECK_INPUTS=1`` when it is None)
+copies both cu_seqlens to the host through DLPack first and raises a ``ValueError`` naming
+the first bad index (:mod:`xattn.core.varlen_check`); dense calls ignore it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import tvm_ffi
 from .cache import get_launcher
 from .checks import Problem, _check_scale, as_tensor, check_attention, check_workspace, quick_check
 from .spec import KernelSpec, canonical_mask, supports
+from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
@@ -98,7 +104,7 @@ def _canonical(causal, window):
 
 
 def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k, window, stream):
+         max_seqlen_q, max_seqlen_k, window, stream, check_inputs):
     causal, window = _canonical(causal, window)
     if stream is not None:
         _check_stream(stream)
@@ -109,12 +115,14 @@ def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seql
     def diagnose():
         return check_attention(family, "fwd", raw, causal, *varlen_args)[:2]
     spec, problem = quick_check(family, "fwd", raw, causal, *varlen_args) or diagnose()
+    if spec.varlen and checking(check_inputs):
+        check_host(cu_seqlens_q, cu_seqlens_k, problem.total_q, problem.total_k, max_seqlen_q, max_seqlen_k)
     args = (q, k, v, out, lse) if not spec.varlen else (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
     _launch(get_launcher(spec), problem, args, scale, stream, diagnose)
 
 
 def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, workspace, stream):
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, workspace, stream, check_inputs):
     causal, window = _canonical(causal, window)
     if stream is not None:
         _check_stream(stream)
@@ -132,6 +140,8 @@ def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_
     if workspace is None or len(workspace) != len(layout) or any(
             as_tensor(x, n).shape != shape for x, (n, shape, _, _) in zip(workspace, layout)):
         diagnose()  # names the bad buffer (the rows dim of workspace is not checked in C)
+    if spec.varlen and checking(check_inputs):
+        check_host(cu_seqlens_q, cu_seqlens_k, problem.total_q, problem.total_k, max_seqlen_q, max_seqlen_k)
     args = [dout, q, k, v, out, lse]
     if spec.varlen:
         args += [cu_seqlens_q, cu_seqlens_k]
@@ -141,7 +151,7 @@ def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-             stream: int | None = None) -> None:
+             stream: int | None = None, check_inputs: bool | None = None) -> None:
     """FFPA forward (head_dim 320-512, D == Dv), written into ``out`` and ``lse``.
 
     Reads q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]`` (or varlen ``[T, H, D]`` with
@@ -151,14 +161,18 @@ def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False, c
     Pre-initialisation, by the caller: for ``causal=True`` or varlen, ``out`` must hold
     zeros and ``lse`` -inf (the kernel skips fully masked tiles and empty segments).
     Dense non-causal calls overwrite every element.
+
+    ``check_inputs`` (varlen): ``True`` validates the cu_seqlens values before the launch (host
+    copies, see the module docstring), ``False`` trusts them, ``None`` follows ``XATTN_CHECK_INPUTS``.
     """
     _fwd("ffpa", q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k, (None, None), stream)
+         max_seqlen_q, max_seqlen_k, (None, None), stream, check_inputs)
 
 
 def ffpa_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
-             max_seqlen_k: int | None = None, workspace=None, stream: int | None = None) -> None:
+             max_seqlen_k: int | None = None, workspace=None, stream: int | None = None,
+             check_inputs: bool | None = None) -> None:
     """FFPA backward: writes dq ``[.., Hq, D]``, dk/dv ``[.., Hkv, D]`` (reduced over each GQA group).
 
     Uses exactly the ``out`` and ``lse`` given (e.g. the globally merged ones of ring
@@ -166,15 +180,16 @@ def ffpa_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
     :func:`bwd_workspace` ("ffpa", q.shape, k.shape, ...) describes (no init needed).
 
     Pre-initialisation, by the caller: ``dq``, ``dk`` and ``dv`` must hold zeros.
+    ``check_inputs`` as in :func:`ffpa_fwd`.
     """
     _bwd("ffpa", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, (None, None), workspace, stream)
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, (None, None), workspace, stream, check_inputs)
 
 
 def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
             window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-            stream: int | None = None) -> None:
+            stream: int | None = None, check_inputs: bool | None = None) -> None:
     """FlashAttention-4 forward (sm90, head_dim <= 256, e.g. 128/128 or 192/128).
 
     Same layouts as :func:`ffpa_fwd`; v/out may have a different head dim Dv.
@@ -182,20 +197,22 @@ def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
     aligned like causal; ``None`` means unbounded on that side. ``causal=True`` with a left
     window is the window ``(left, 0)`` (causal = right window 0).
     No pre-initialisation needed: every element of out and lse is written.
+    ``check_inputs`` as in :func:`ffpa_fwd`.
     """
     _fwd("fa4", q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k, tuple(window_size), stream)
+         max_seqlen_q, max_seqlen_k, tuple(window_size), stream, check_inputs)
 
 
 def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
             window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
-            max_seqlen_k: int | None = None, workspace=None, stream: int | None = None) -> None:
+            max_seqlen_k: int | None = None, workspace=None, stream: int | None = None,
+            check_inputs: bool | None = None) -> None:
     """FlashAttention-4 backward: writes dq, dk, dv (dk/dv reduced over each GQA group).
 
     Uses exactly the ``out`` and ``lse`` given. ``workspace`` is the list of buffers that
     :func:`bwd_workspace` ("fa4", q.shape, k.shape, causal=..., ...) describes; under GQA
     its ``dk_accum``/``dv_accum`` must hold zeros (their ``fill``). dq, dk, dv need no
-    pre-initialisation: every element is written.
+    pre-initialisation: every element is written. ``check_inputs`` as in :func:`ffpa_fwd`.
     """
     _bwd("fa4", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, tuple(window_size), workspace, stream)
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, tuple(window_size), workspace, stream, check_inputs)

@@ -5,6 +5,25 @@ Varlen layout: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D/Dv]``, int32 ``cu_seqlens_q/
 ``max_seqlen_q/k``; lse fp32 ``[Hq, Tq]``. Causal/windows are bottom-right aligned per
 segment. ``segment_ids`` ``[B, N]`` (equal ids attend, 0 = padding) are turned into
 cu_seqlens on device with a static bound ``max_segments`` on the number of runs.
+
+Checked inputs. The kernels trust ``0 = cu[0] <= ... <= cu[S] <= T`` and segments ``<= max_seqlen``
+(unchecked, a bad cu_seqlens is undefined behaviour: wrong output or an illegal memory access).
+``check_inputs=True`` (``None``: when ``XATTN_CHECK_INPUTS=1``) states these rules as
+``jax.experimental.checkify`` user checks, each message naming the first bad index and the values
+(:mod:`xattn.core.varlen_check`):
+
+* eager (concrete cu_seqlens): one device -> host copy of a small summary, then a failing rule
+  raises ``checkify.JaxRuntimeError`` (a ``ValueError``) at once;
+* under ``checkify.checkify(f, errors=checkify.user_checks)``, jitted or not: the checks are
+  functionalized, ``err.get()`` / ``err.throw()`` report the first failing one. A failed check
+  does not stop the computation, so the kernels then get all-zero cu_seqlens (empty segments:
+  no bad offset reaches them) and the outputs are meaningless until ``err`` is looked at;
+* under ``jax.jit`` WITHOUT checkify the values are abstract and a check cannot be staged: compiling
+  the jitted function raises JAX's ``ValueError`` "Cannot abstractly evaluate a checkify.check which
+  was not functionalized" (whatever the values). Wrap the function in checkify, or pass
+  ``check_inputs=False`` there (``XATTN_CHECK_INPUTS=1`` turns this on for every jitted varlen call).
+
+int32 dtype and the ``[S + 1]`` shapes are static and always checked.
 """
 
 from __future__ import annotations
@@ -15,8 +34,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import checkify
 
+from xattn.core import varlen_check as vc
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
@@ -35,14 +57,37 @@ class VarlenConfig:
     max_seqlen_k: int
 
 
+_OPS = vc.ArrayOps(first_true=jnp.argmax, take=lambda x, i: x[i],
+                   stack=lambda values: jnp.stack([jnp.asarray(x).astype(jnp.int32) for x in values]))
+
+
 def _check(q, k, v, cu_q, cu_k):
+    """The static checks (ranks, cu_seqlens dtype and shapes), every call."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v: expected rank 3 [T, H, D] (varlen), got {q.shape}, {k.shape}, {v.shape}")
-    if cu_q.ndim != 1 or cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q/k: expected equal shapes [S + 1] with S >= 1, got {cu_q.shape}, {cu_k.shape}")
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        if cu.dtype != jnp.int32:
-            raise TypeError(f"{name}: expected int32, got {cu.dtype}")
+    vc.check_metadata("cu_seqlens_q", jnp.dtype(cu_q.dtype).name, cu_q.shape)
+    vc.check_metadata("cu_seqlens_k", jnp.dtype(cu_k.dtype).name, cu_k.shape, cu_q.shape)
+
+
+def _check_values(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q, max_seqlen_k):
+    """Checked mode: every cu_seqlens rule as a checkify user check (see the module docstring).
+
+    Returns the cu_seqlens to launch with: the given ones, or all zeros (only empty segments) when a
+    rule fails, because under checkify a failed check does not stop the computation."""
+    flat = jnp.concatenate([vc.summary(_OPS, cu_q, total_q, max_seqlen_q),
+                            vc.summary(_OPS, cu_k, total_k, max_seqlen_k)])
+    rules = vc.entries(cu_q.shape[0] - 1, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    if isinstance(flat, jax.core.Tracer):
+        for bad, values, template in rules:
+            checkify.check(flat[bad] == 0, template, *flat[values])
+        ok = jnp.all(flat[jnp.array([bad for bad, _, _ in rules])] == 0)
+        return jnp.where(ok, cu_q, 0), jnp.where(ok, cu_k, 0)
+    flat = np.asarray(flat)  # the one device -> host copy; only a failing rule reaches checkify
+    for bad, values, template in rules:
+        if flat[bad]:  # raises here, or is recorded under an eager checkify
+            checkify.check(jnp.asarray(False), template, *(jnp.asarray(x) for x in flat[values]))
+            return jnp.zeros_like(cu_q), jnp.zeros_like(cu_k)
+    return cu_q, cu_k
 
 
 def _fwd(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
@@ -103,34 +148,48 @@ def _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_
     return VarlenConfig(base, max_seqlen_q, max_seqlen_k)
 
 
+def _checked_config(q, k, v, cu_q, cu_k, family, scale, causal, window, backend, max_seqlen_q, max_seqlen_k,
+                    check_inputs):
+    """The static checks and the config; then, in checked mode, the cu_seqlens values.
+    Returns ``(cfg, cu_q, cu_k)``, the cu_seqlens to launch with."""
+    _check(q, k, v, cu_q, cu_k)
+    cfg = _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_k)
+    if vc.checking(check_inputs):
+        cu_q, cu_k = _check_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return cfg, cu_q, cu_k
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int, max_seqlen_k: int,
                      family: str = "ffpa", scale: float | None = None, causal: bool = False,
-                     window_size=(None, None), backend: str = "auto"):
+                     window_size=(None, None), backend: str = "auto", check_inputs: bool | None = None):
     """Differentiable packed attention; returns out ``[Tq, Hq, Dv]``.
 
     ``family``: ``"ffpa"`` (head_dim 320-512) or ``"fa4"`` (<= 256, windows allowed).
     Under ``vmap`` the launches run one per mapped element (cu_seqlens differ per element).
+    ``check_inputs``: ``True`` checks the cu_seqlens values (checkify user checks, see the module
+    docstring), ``False`` trusts them, ``None`` follows ``XATTN_CHECK_INPUTS``.
     """
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    cfg = _config(family, q, scale, causal, window_size, backend, max_seqlen_q, max_seqlen_k)
+    cfg, cu_seqlens_q, cu_seqlens_k = _checked_config(q, k, v, cu_seqlens_q, cu_seqlens_k, family, scale, causal,
+                                                      window_size, backend, max_seqlen_q, max_seqlen_k, check_inputs)
     return _varlen(cfg, q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
 def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int, max_seqlen_k: int,
                family: str = "ffpa", scale: float, causal: bool = False, window_size=(None, None),
-               backend: str = "auto"):
-    """``(out [Tq, Hq, Dv], lse [Hq, Tq])``, not differentiable (see :func:`varlen_bwd`)."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    cfg = _config(family, q, scale, causal, window_size, backend, max_seqlen_q, max_seqlen_k)
+               backend: str = "auto", check_inputs: bool | None = None):
+    """``(out [Tq, Hq, Dv], lse [Hq, Tq])``, not differentiable (see :func:`varlen_bwd`);
+    ``check_inputs`` as in :func:`varlen_attention`."""
+    cfg, cu_seqlens_q, cu_seqlens_k = _checked_config(q, k, v, cu_seqlens_q, cu_seqlens_k, family, scale, causal,
+                                                      window_size, backend, max_seqlen_q, max_seqlen_k, check_inputs)
     return _fwd(cfg, q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
 def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
                max_seqlen_k: int, family: str = "ffpa", scale: float, causal: bool = False,
-               window_size=(None, None), backend: str = "auto"):
-    """``(dq, dk, dv)`` using exactly the supplied out/lse."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    cfg = _config(family, q, scale, causal, window_size, backend, max_seqlen_q, max_seqlen_k)
+               window_size=(None, None), backend: str = "auto", check_inputs: bool | None = None):
+    """``(dq, dk, dv)`` using exactly the supplied out/lse; ``check_inputs`` as in :func:`varlen_attention`."""
+    cfg, cu_seqlens_q, cu_seqlens_k = _checked_config(q, k, v, cu_seqlens_q, cu_seqlens_k, family, scale, causal,
+                                                      window_size, backend, max_seqlen_q, max_seqlen_k, check_inputs)
     return _bwd(cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
 
 
@@ -167,7 +226,8 @@ def packed_attention(q, k, v, segment_ids, *, max_segments: int, family: str = "
     cu, _, overflow = segment_ids_to_cu_seqlens(segment_ids, max_segments)
     flat = [x.reshape(b * n, *x.shape[2:]) for x in (q, k, v)]
     out = varlen_attention(*flat, cu, cu, max_seqlen_q=n, max_seqlen_k=n, family=family, scale=scale,
-                           causal=causal, window_size=window_size, backend=backend)
+                           causal=causal, window_size=window_size, backend=backend,
+                           check_inputs=False)  # built here; an overflow turns into NaN below
     keep = (segment_ids.reshape(-1) > 0)[:, None, None]
     out = jnp.where(keep, out, jnp.zeros_like(out))
     out = jnp.where(overflow, jnp.full_like(out, jnp.nan), out)

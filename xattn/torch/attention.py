@@ -35,9 +35,16 @@ def default_family(head_dim: int, head_dim_v: int | None = None) -> str:
 def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
                        window_size=(None, None), cu_seqlens_q=None, cu_seqlens_k=None,
                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                       family: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       family: str | None = None,
+                       check_inputs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; out is differentiable (lse is not). See the module docstring for layouts and
-    determinism (the FA4 backward alerts under ``torch.use_deterministic_algorithms(True)``)."""
+    determinism (the FA4 backward alerts under ``torch.use_deterministic_algorithms(True)``).
+
+    Varlen contract: ``0 = cu[0] <= cu[1] <= ... <= cu[S] <= T`` and segments ``<= max_seqlen``, for q
+    and k. By default it is trusted, not read (reading would synchronise): bad cu_seqlens are undefined
+    behaviour (wrong output or an illegal memory access). ``check_inputs=True`` (``None``: when
+    ``XATTN_CHECK_INPUTS=1``) checks it on the tensors' device with one host sync and raises a
+    ``ValueError`` naming the first bad index (:mod:`xattn.torch.varlen_check`)."""
     family = family or default_family(q.shape[-1], v.shape[-1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     causal, left, right = canonical_mask(bool(causal), *window_size)
@@ -46,7 +53,7 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
         raise ValueError("max_seqlen_q/max_seqlen_k: required with cu_seqlens_q/cu_seqlens_k")
     return attention_op(q, k, v, family, scale, causal, -1 if left is None else left,
                         -1 if right is None else right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0,
-                        max_seqlen_k or 0)
+                        max_seqlen_k or 0, check_inputs=check_inputs)
 
 
 def attention(q, k, v, **kwargs) -> torch.Tensor:

@@ -179,7 +179,12 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
 
     As :func:`flash_attn_func`, plus: ``max_seqlen_q/k`` default to the longest segment (read on the
     host); without cu_seqlens, q/k/v are dense ``[B, N, H, D]``. ``seqused_q/k``, ``page_table`` and
-    the other unserved arguments raise NotImplementedError when set."""
+    the other unserved arguments raise NotImplementedError when set.
+
+    Checked mode: the signature is flash_attn.cute's, so there is no ``check_inputs`` keyword here;
+    ``XATTN_CHECK_INPUTS=1`` checks cu_seqlens on their device before the launch (int32, start 0,
+    non-decreasing, end <= T, segments <= max_seqlen; one host sync; a ``ValueError`` naming the first
+    bad index). Unchecked (the default), bad cu_seqlens are undefined behaviour, as in flash_attn.cute."""
     _refuse_unsupported(flash_attn_varlen_func, locals())
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _run_fa4(q, k, v, softmax_scale, causal, window_size, return_lse)
@@ -351,6 +356,7 @@ def document_causal_fa4_attention(query: torch.Tensor, key: torch.Tensor, value:
     cu_q, cu_k, max_q, max_k = _varlen_layout(q_doc_ids, kv_doc_ids, q_global_start)
     out = attention(query.transpose(1, 2).reshape(b * nq, hq, -1), key.transpose(1, 2).reshape(b * nk, hkv, -1),
                     value.transpose(1, 2).reshape(b * nk, hkv, -1), softmax_scale=scale, causal=True,
-                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, family="fa4")
+                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, family="fa4",
+                    check_inputs=False)  # built here from the ids: valid by construction
     out = out.view(b, nq, hq, -1).transpose(1, 2)
     return out * (q_doc_ids != _PAD_DOC_ID)[:, None, :, None].to(out.dtype)

@@ -7,6 +7,10 @@ Glossary: B batch, N lengths, T packed tokens, Hq/Hkv heads, D/Dv head dims. Den
 ``family`` is ``"ffpa"`` or ``"fa4"``; window sides < 0 mean unbounded. Outputs are allocated
 here with ``torch.empty`` / the fills the core documents (``KernelSpec.output_fill`` and the
 workspace ``fill``), then the core writes them on the current stream.
+
+cu_seqlens values are trusted by the custom ops (the core is called with ``check_inputs=False``):
+:func:`attention_op` checks them first in checked mode (``check_inputs=True``, or
+``XATTN_CHECK_INPUTS=1`` when None; :mod:`xattn.torch.varlen_check`, one host sync).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch import Tensor
 import xattn.core as xc
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
+
+from .varlen_check import check_cu_seqlens, checking
 
 __all__ = ["fwd", "bwd", "attention_op"]
 
@@ -49,7 +55,8 @@ def _kw(spec, family, softmax_scale, cu_q, cu_k, max_q, max_k):
     if family == "fa4":
         kw["window_size"] = (spec.window_left, spec.window_right)
     if cu_q is not None:
-        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                  check_inputs=False)  # attention_op checked them (checked mode); no second sync
     return kw
 
 
@@ -175,9 +182,16 @@ class _EagerAttention(torch.autograd.Function):
 
 def attention_op(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: float, causal: bool,
                  window_left: int, window_right: int, cu_seqlens_q: Optional[Tensor],
-                 cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:
+                 cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, *,
+                 check_inputs: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """Differentiable ``(out, lse)`` (same arguments as :func:`fwd`): the ``xattn::fwd`` custom op
-    under torch.compile / fake or functional tensors, a direct autograd.Function in plain eager mode."""
+    under torch.compile / fake or functional tensors, a direct autograd.Function in plain eager mode.
+
+    Varlen: ``check_inputs=True`` validates cu_seqlens on their device first (one host sync; a
+    ``ValueError`` naming the first bad index), ``False`` trusts them, ``None`` follows
+    ``XATTN_CHECK_INPUTS``. Unchecked, bad cu_seqlens are undefined behaviour (see :mod:`xattn.core.api`)."""
+    if cu_seqlens_q is not None and checking(check_inputs):
+        check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if type(q) is Tensor and not torch.compiler.is_compiling():
         return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, (
             family, softmax_scale, causal, window_left, window_right, max_seqlen_q, max_seqlen_k))
