@@ -95,4 +95,5 @@ def attention_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool = False
     dq = torch.einsum("bhnm,bmhd->bnhd", ds, kk) * scale
     dkk = torch.einsum("bhnm,bnhd->bmhd", ds, q.to(f)) * scale
     b, m, hkv = k.shape[:3]
-    return dq, dkk.reshape(b, m, hkv, g, -1).sum(3), dvv.reshape(b, m, hkv, g, -1).sum(3)
+    # explicit sizes, not -1: a reshape of 0 elements (B, Nk or Nq = 0) cannot infer one
+    return dq, dkk.reshape(b, m, hkv, g, q.shape[-1]).sum(3), dvv.reshape(b, m, hkv, g, v.shape[-1]).sum(3)

@@ -10,6 +10,7 @@ import tvm_ffi
 from xattn.core.spec import KernelSpec
 
 CALLS: list[str] = []
+FAIL_NEXT: list[BaseException] = []  # the next launch raises this (a failed launch or allocation), once
 
 
 def _mask(nq, nk, spec: KernelSpec):
@@ -97,6 +98,8 @@ def make(spec: KernelSpec):
                  + ["dq", "dk", "dv"])
 
     def launcher(*args):
+        if FAIL_NEXT:
+            raise FAIL_NEXT.pop(0)
         *tensors, scale = args
         named = dict(zip(names, [np.from_dlpack(t) for t in tensors]))
         for name, value in fills.items():  # the documented pre-fill must have happened (aliasing)

@@ -14,6 +14,13 @@ launcher for its :class:`KernelSpec` on first use, then enqueues the kernels:
   other producers: the TVM-FFI environment stream, by default the legacy default stream);
 * ``stream=<int cudaStream_t>``: on that stream.
 
+Edge sizes: a call without query rows (B = 0, Nq = 0 or Tq = 0) is validated and launches
+nothing, so no output is written (zero dq/dk/dv first, FA4's included: their gradient is 0);
+query rows without any key (Nk = 0 or Tk = 0) are refused by name, since the kernels have no
+launch for them (the front ends return out 0 / lse -inf, the "rows that see no key" rule).
+Sizes past the kernels' 32-bit indexing or the CUDA grid raise ``ValueError`` (see
+:func:`xattn.core.checks.check_sizes`).
+
 Nothing is allocated here: outputs and workspace come from the caller. cu_seqlens
 values are not read on the host (that would synchronise): the caller guarantees
 ``0 = cu[0] <= cu[1] <= ... <= cu[B] <= T`` and segment lengths <= max_seqlen. A call that
@@ -29,7 +36,8 @@ from __future__ import annotations
 import tvm_ffi
 
 from .cache import get_launcher
-from .checks import Problem, _check_scale, as_tensor, check_attention, check_workspace, quick_check
+from .checks import (Problem, _check_scale, as_tensor, check_attention, check_layout_sizes, check_window,
+                     check_workspace, quick_check)
 from .spec import KernelSpec, canonical_mask, supports
 from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
@@ -38,8 +46,10 @@ __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
-    return bwd_workspace_shapes(spec, p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k,
-                                p.heads_q, p.heads_kv)
+    layout = bwd_workspace_shapes(spec, p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k,
+                                  p.heads_q, p.heads_kv)
+    check_layout_sizes(layout)  # a dim past int32 is refused before anyone allocates it
+    return layout
 
 
 def bwd_workspace(family: str, q_shape, k_shape, *, head_dim_v: int | None = None,
@@ -61,7 +71,7 @@ def bwd_workspace(family: str, q_shape, k_shape, *, head_dim_v: int | None = Non
     hq, d, hkv = q_shape[-2], q_shape[-1], k_shape[-2]
     if hkv < 1 or hq % hkv:
         raise ValueError(f"k_shape: Hkv={hkv} must divide Hq={hq}")
-    causal, window_size = _canonical(bool(causal), tuple(window_size))
+    causal, window_size = _canonical(bool(causal), check_window(window_size))
     spec = KernelSpec(family, "bwd", "bfloat16", d, head_dim_v or d, hq // hkv, causal, varlen, *window_size)
     reason = supports(spec)
     if reason is not None:
@@ -82,6 +92,7 @@ def _check_stream(stream) -> None:
 def _launch(launcher, problem, args, scale, stream, diagnose) -> None:
     """Enqueue; if the launcher's own C-side argument checks refuse, explain by name."""
     if problem.total_q == 0:
+        diagnose()  # nothing launches, so the launcher's C-side checks never see the buffers
         return  # no query rows: nothing to write
     try:
         if stream is None:  # the producers' objects: TVM-FFI adopts e.g. torch's current stream
@@ -200,7 +211,7 @@ def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
     ``check_inputs`` as in :func:`ffpa_fwd`.
     """
     _fwd("fa4", q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k, tuple(window_size), stream, check_inputs)
+         max_seqlen_q, max_seqlen_k, check_window(window_size), stream, check_inputs)
 
 
 def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
@@ -215,4 +226,4 @@ def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal
     pre-initialisation: every element is written. ``check_inputs`` as in :func:`ffpa_fwd`.
     """
     _bwd("fa4", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, tuple(window_size), workspace, stream, check_inputs)
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_window(window_size), workspace, stream, check_inputs)

@@ -18,10 +18,13 @@ import tvm_ffi
 from .device import no_gpu_reason
 from .spec import DTYPES, KernelSpec, supports
 
-__all__ = ["Problem", "as_tensor", "check_attention", "check_workspace", "quick_check"]
+__all__ = ["Problem", "as_tensor", "check_attention", "check_layout_sizes", "check_sizes", "check_window",
+           "check_workspace", "quick_check"]
 
 _KDLCUDA = 2
 _HALF_DIV = 8  # elements per 16 bytes for fp16/bf16
+INT32_MAX = 2 ** 31 - 1  # the launchers' symbolic shapes and the kernels' row counts are 32-bit
+GRID_YZ_MAX = 65535  # CUDA grid dims y/z: dense launches put heads on y and the batch on z
 
 
 class Problem(NamedTuple):
@@ -108,6 +111,46 @@ def _check_scale(softmax_scale) -> float:
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
     return float(softmax_scale)
+
+
+def check_sizes(q_shape, k_shape, v_shape, varlen: bool) -> None:
+    """``ValueError`` naming the first buffer the kernels cannot index, from shapes alone (so a front
+    end can call it before allocating anything): every dim and the row counts ``B * N`` must fit
+    in int32 (the launchers' symbolic shapes and the kernels' row arithmetic are 32-bit), and dense
+    calls launch B and Hq on the CUDA grid's z and y dims (<= 65535 each)."""
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        shape = tuple(shape)
+        for i, size in enumerate(shape):
+            if size > INT32_MAX:
+                raise ValueError(f"{name}: dim {i} is {size}, past the kernels' 32-bit index range "
+                                 f"(2**31 - 1); got shape {shape}")
+        if not varlen and len(shape) == 4 and shape[0] * shape[1] > INT32_MAX:
+            raise ValueError(f"{name}: B * N = {shape[0] * shape[1]} rows, past the kernels' 32-bit index "
+                             f"range (2**31 - 1); got shape {shape}")
+    if not varlen and len(q_shape) == 4:
+        b, hq = q_shape[0], q_shape[2]
+        if b > GRID_YZ_MAX:
+            raise ValueError(f"q: batch {b} exceeds {GRID_YZ_MAX} (the CUDA grid's z dim); pack the rows as "
+                             "varlen [T, H, D] with cu_seqlens, or split the batch")
+        if hq > GRID_YZ_MAX:
+            raise ValueError(f"q: {hq} heads exceed {GRID_YZ_MAX} (the CUDA grid's y dim)")
+
+
+def check_window(window_size) -> tuple:
+    """``window_size`` as a ``(left, right)`` tuple; TypeError naming it for anything else (the sides
+    themselves are judged by :func:`~xattn.core.spec.supports`)."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a (left, right) pair (None = unbounded), got {window_size!r}")
+    return tuple(window_size)
+
+
+def check_layout_sizes(layout) -> None:
+    """``ValueError`` naming the first workspace buffer of ``layout`` ``[(name, shape, dtype, fill)]``
+    with a dim past int32 (e.g. FA4's dq_accum, ``Nq * D`` per head, at >= 8M tokens of d256)."""
+    for name, shape, *_ in layout:
+        if any(size > INT32_MAX for size in shape):
+            raise ValueError(f"workspace[{name}]: shape {tuple(shape)} has a dim past the kernels' 32-bit index "
+                             "range (2**31 - 1); use shorter sequences per call")
 
 
 def _check_max_seqlen(value, name: str, cu_name: str) -> int:
@@ -207,6 +250,7 @@ def _quick_derive(family, direction, q_raw, q, key, causal, varlen, has_cu_k, wi
             return None
     if tk == 0 and tq > 0:
         return None
+    check_sizes(qs, ks, vs, varlen)  # raises: quick_check returns None and the full check names it
     spec, reason = _spec(family, direction, _dtype_name(q_raw, q), d, dv, hq // hkv, causal, varlen, *window)
     if reason is not None:
         return None
@@ -215,11 +259,13 @@ def _quick_derive(family, direction, q_raw, q, key, causal, varlen, has_cu_k, wi
 
 def check_attention(family: str, direction: str, buffers: dict, causal: bool = False,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                    window=(None, None)) -> tuple[KernelSpec, Problem, dict]:
+                    window=(None, None), allow_no_keys: bool = False) -> tuple[KernelSpec, Problem, dict]:
     """Validate one call; return its compile key, sizes and the buffers as tvm_ffi tensors.
 
     ``buffers`` maps argument names (q, k, v, out, lse, and dout, dq, dk, dv for backward)
     to DLPack tensors. Inputs are read-only; out/lse (forward) and dq/dk/dv are written.
+    Query rows without any key (Tk = 0 < Tq) are refused unless ``allow_no_keys`` (front ends
+    that write the result of such a call themselves, out 0 / lse -inf, validate it this way).
     """
     outputs = ("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")
     ts = {n: as_tensor(x, n, writable=n in outputs) for n, x in buffers.items()}
@@ -245,6 +291,7 @@ def check_attention(family: str, direction: str, buffers: dict, causal: bool = F
     spec, reason = _spec(family, direction, dtype, d, dv, hq // hkv, causal, varlen, *window)
     if reason is not None:
         raise NotImplementedError(reason)
+    check_sizes(q.shape, k.shape, v.shape, varlen)
 
     if varlen:
         (tq,), (tk,) = lead_q, lead_k
@@ -267,7 +314,7 @@ def check_attention(family: str, direction: str, buffers: dict, causal: bool = F
         tq, tk = batch * nq, batch * nk
         rows_q, rows_k = (batch, nq), (batch, nk)
         lse_shape, lse_labels = (batch, hq, nq), "[B, Hq, Nq]"
-    if tk == 0 and tq > 0:
+    if tk == 0 and tq > 0 and not allow_no_keys:
         raise ValueError(f"k: no keys at all (shape {tuple(k.shape)}) for {tq} query rows; "
                          "attention over an empty key set is undefined")
     lab = "[T, " if varlen else "[B, N, "

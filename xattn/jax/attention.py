@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import jax
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
+from xattn.core.checks import check_layout_sizes, check_sizes
 from xattn.core.spec import KernelSpec, supports
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -40,6 +42,19 @@ _DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16
 RESIDUAL_NAMES = ("xattn_q", "xattn_k", "xattn_v", "xattn_out", "xattn_lse")
 
 
+def static_scale(scale, head_dim: int) -> float:
+    """``scale`` as a static float (``None``: ``1/sqrt(head_dim)``); TypeError/ValueError naming it
+    unless it is a finite positive number (what the kernels take; the reference keeps the same contract)."""
+    if scale is None:
+        return 1.0 / math.sqrt(max(head_dim, 1))  # head_dim 0: the spec check names the unsupported dim
+    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a static Python float, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"scale: expected a finite positive float, got {scale!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Config:
     """Static (hashable) options of one attention call."""
@@ -49,6 +64,9 @@ class Config:
     causal: bool = False
     window: tuple = (None, None)
     backend: str = "kernel"
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale", static_scale(self.scale, 0))  # every route (nn, varlen, ring) too
 
     def spec(self, direction: str, q, k, v, varlen: bool = False) -> KernelSpec:
         dtype = _DTYPES.get(jnp.dtype(q.dtype))
@@ -65,6 +83,7 @@ class Config:
         reason = supports(spec)
         if reason is not None:
             raise NotImplementedError(reason)
+        check_sizes(q.shape, k.shape, v.shape, varlen)  # the kernels' 32-bit indexing and CUDA grid limits
         if direction == "bwd":
             check_backward(spec)  # XATTN_DETERMINISTIC: raise/warn for a nondeterministic backward
         return spec
@@ -81,6 +100,9 @@ def resolve_backend(backend: str) -> str:
 
 def check_dense(q, k, v) -> None:
     """Rank and shape agreement of dense q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name}: expected a JAX or NumPy array, got {type(x).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v: expected rank 4 [B, N, H, D], got {q.shape}, {k.shape}, {v.shape}")
     if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
@@ -90,9 +112,17 @@ def check_dense(q, k, v) -> None:
 
 # --- kernels through XLA FFI, with vmap folded into the batch dim (one launch) -------------
 
+def _no_launch(q, k) -> bool:
+    """No query row (nothing to compute) or no key at all (every row sees none): no kernel launches,
+    which also keeps empty grids off the GPU. Shapes are static, so this is decided at trace time."""
+    return q.shape[0] * q.shape[1] == 0 or k.shape[1] == 0
+
+
 def _fwd_call(cfg: Config, q, k, v):
     spec = cfg.spec("fwd", q, k, v)
     b, nq, hq, _ = q.shape
+    if _no_launch(q, k):  # rows that see no key: out 0, lse -inf
+        return jnp.zeros((b, nq, hq, v.shape[-1]), q.dtype), jnp.full((b, hq, nq), -jnp.inf, jnp.float32)
     outs = [("out", (b, nq, hq, v.shape[-1]), q.dtype), ("lse", (b, hq, nq), "float32")]
     out, lse = _ffi.call(spec, [q, k, v], outs, [], cfg.scale)
     return out, lse
@@ -102,7 +132,10 @@ def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
     spec = cfg.spec("bwd", q, k, v)
     b, nq, hq, _ = q.shape
     nk, hkv = k.shape[1], k.shape[2]
+    if _no_launch(q, k):  # no row or no key: every gradient is 0
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     ws = bwd_workspace_shapes(spec, b, nq, nk, b * nq, b * nk, hq, hkv)
+    check_layout_sizes(ws)
     outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
     dq, dk, dv = _ffi.call(spec, [dout, q, k, v, out, lse], outs, ws, cfg.scale)
     return dq, dk, dv
@@ -164,11 +197,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _config(family, q, scale, causal, window, backend) -> Config:
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = static_scale(scale, q.shape[-1])
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    return Config(family, float(scale), causal, tuple(window), resolve_backend(backend))
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window_size: expected a (left, right) pair (None = unbounded), got {window!r}")
+    return Config(family, scale, causal, tuple(window), resolve_backend(backend))
 
 
 def ffpa_attention(q, k, v, *, scale: float | None = None, causal: bool = False, backend: str = "auto"):
@@ -178,6 +212,10 @@ def ffpa_attention(q, k, v, *, scale: float | None = None, causal: bool = False,
     (Gemma 4 passes 1.0). Residuals (q, k, v, out, lse) are tagged ``xattn_*`` for remat
     policies; the backward runs the kernel on exactly those out/lse. Works under jit, grad,
     vmap (folded into B: one launch), remat and shard_map.
+
+    Edge cases: ``scale`` must be finite and > 0 (ValueError); B = 0 or Nq = 0 gives an empty result,
+    Nk = 0 rows of 0 (lse -inf), all with zero gradients and no kernel launch; sizes past the kernels'
+    32-bit indexing or the CUDA grid raise ValueError at trace time.
     """
     check_dense(q, k, v)
     return _attention(_config("ffpa", q, scale, causal, (None, None), backend), q, k, v)

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from xattn.core.spec import FA4_HEAD_DIMS, canonical_mask, family_for
 
-from .attention import RESIDUAL_NAMES, Config, _backward, _forward, check_dense, resolve_backend
+from .attention import RESIDUAL_NAMES, Config, _backward, _forward, check_dense, resolve_backend, static_scale
 from .varlen import VarlenConfig, _bwd as _varlen_bwd, _fwd as _varlen_fwd
 
 __all__ = ["dot_product_attention"]
@@ -52,13 +52,12 @@ def _flatten(query, key, value):
     lead = q.shape[:-3]
     if k.shape[:-3] != lead or v.shape[:-3] != lead:
         raise ValueError(f"key/value: leading dims {k.shape[:-3]}, {v.shape[:-3]} differ from query's {lead}")
-    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    b = math.prod(lead)  # not -1: a reshape cannot infer it when T, S or B is 0
+    q, k, v = (x.reshape(b, *x.shape[-3:]) for x in (q, k, v))
     check_dense(q, k, v)
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"key: the number of query heads ({q.shape[2]}) must be a multiple of key/value heads "
                          f"({k.shape[2]})")
-    if q.shape[1] == 0 or k.shape[1] == 0:
-        raise ValueError(f"query/key: empty sequence (T={q.shape[1]}, S={k.shape[1]})")
     return q, k, v, lead
 
 
@@ -225,7 +224,7 @@ def _row_status(b: int, t: int, s: int, q_len, kv_len, bounds):
 def _kernel(q, k, v, scale, causal, window, q_len, kv_len, what):
     family = _family(q.shape[-1], v.shape[-1])
     bounds = _bounds(causal, window)
-    if kv_len is not None and bounds == (None, None):
+    if kv_len is not None and bounds == (None, None) and q.size and k.shape[1]:  # (empty: the dense path)
         out, lse = _varlen(q, k, v, kv_len, family, scale)
     else:
         out, lse = _dense(q, k, v, family, scale, bounds, what)
@@ -287,7 +286,7 @@ def _xattn(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
     kv_len = _lengths(kv_len, "key_value_seq_lengths", lead, b)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal: expected a static bool, got {type(is_causal).__name__}")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = static_scale(scale, d)
     if backend == "reference":
         if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
             raise TypeError(f"mask: expected a bool array (True = attend; additive masks go to bias), got "
@@ -339,7 +338,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     Args, as jax.nn (all but query/key/value/bias/mask keyword-only):
       bias, mask: arrays broadcastable to ``[..., N, T, S]`` (mask bool, True = attend). Only
         ``backend="reference"`` takes them; on the kernels they raise ``ValueError``.
-      scale: static float, default ``1/sqrt(H)``.
+      scale: static float, default ``1/sqrt(H)``; finite and > 0 (``ValueError`` otherwise, on both backends).
       is_causal: top-left: query i sees keys ``j <= i`` (also when T != S).
       local_window_size: ``w`` or ``(left, right)``: query i sees ``i - left <= j <= i + right``
         (top-left), combined with ``is_causal``. Negative sides raise ``ValueError`` on the kernels

@@ -6,6 +6,11 @@ bottom-right aligned (FlashAttention); ``window_size=(left, right)``, ``None`` =
 ``causal=True`` with a left window is the window ``(left, 0)``. ``family`` defaults by head dim
 (:func:`xattn.core.spec.family_for`); unsupported dims get the core's NotImplementedError.
 
+Edge cases: an input whose last dim is not contiguous is copied to a contiguous one (as FlashAttention);
+``softmax_scale`` must be finite and > 0 (ValueError); B = 0 or Nq = 0 gives an empty result, Nk = 0
+(or Tk = 0) rows of 0 with lse -inf ("rows that see no key"), with zero gradients and no launch; sizes
+past the kernels' 32-bit indexing or the CUDA grid raise ValueError before anything is allocated.
+
 Determinism (:mod:`xattn.core.determinism`): the forward of both families and the FFPA backward
 (every config, GQA and varlen included) give bitwise identical results run to run. The FA4 backward
 does not: it adds fp32 partials of dQ (over key blocks) and, under GQA, of dK/dV (over the q heads
@@ -18,7 +23,9 @@ from __future__ import annotations
 import math
 
 import torch
+from numpy import bool_ as np_bool
 
+from xattn.core.checks import _check_scale
 from xattn.core.spec import canonical_mask, family_for
 
 from .ops import attention_op
@@ -30,6 +37,34 @@ def default_family(head_dim: int, head_dim_v: int | None = None) -> str:
     """The family serving these head dims; for unsupported ones the family whose range is
     closest, so the core raises its NotImplementedError with the supported dims."""
     return family_for(head_dim, head_dim_v) or ("ffpa" if head_dim > 256 else "fa4")
+
+
+def _input(name: str, t) -> torch.Tensor:
+    """A torch tensor, made contiguous in its last dim where it is not (as FlashAttention's
+    ``maybe_contiguous``): the kernels read rows with unit stride."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t.contiguous() if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1 else t
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(max(head_dim, 1))  # head_dim 0: the core names the unsupported dim
+    if isinstance(softmax_scale, (bool, str, bytes)):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    try:
+        value = float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}") from None
+    return _check_scale(value)  # ValueError unless finite and > 0
+
+
+def _mask_args(causal, window_size):
+    if not isinstance(causal, (int, np_bool)):  # bool, or 0/1 as FlashAttention takes it; never a string
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a (left, right) pair (None = unbounded), got {window_size!r}")
+    return canonical_mask(bool(causal), *window_size)
 
 
 def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
@@ -45,9 +80,10 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
     behaviour (wrong output or an illegal memory access). ``check_inputs=True`` (``None``: when
     ``XATTN_CHECK_INPUTS=1``) checks it on the tensors' device with one host sync and raises a
     ``ValueError`` naming the first bad index (:mod:`xattn.torch.varlen_check`)."""
-    family = family or default_family(q.shape[-1], v.shape[-1])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    causal, left, right = canonical_mask(bool(causal), *window_size)
+    q, k, v = _input("q", q), _input("k", k), _input("v", v)
+    family = family or default_family(q.shape[-1] if q.dim() else 0, v.shape[-1] if v.dim() else 0)
+    scale = _scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    causal, left, right = _mask_args(causal, window_size)
     varlen = cu_seqlens_q is not None
     if varlen and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("max_seqlen_q/max_seqlen_k: required with cu_seqlens_q/cu_seqlens_k")

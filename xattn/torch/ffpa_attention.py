@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 
 import torch
@@ -335,6 +336,21 @@ def _padding_sdpa_mask(query, key, keep, kwargs, module):
     return dense & keep.bool()[:, None, None, :]
 
 
+def _check_inputs(query, key, value, scaling) -> None:
+    """TypeError/ValueError naming the argument for what neither the kernels nor SDPA can run."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor [batch, heads, sequence, head_dim], got "
+                            f"{type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims [batch, heads, sequence, head_dim] (SDPA layout), got shape "
+                             f"{tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+    if scaling is not None and (isinstance(scaling, bool) or not math.isfinite(float(scaling))):
+        raise ValueError(f"scaling: expected a finite float, got {scaling!r}")
+
+
 def _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs) -> tuple[str, str] | None:
     if query.dtype not in _DTYPES:
         return "dtype", f"{query.dtype} is not float16/bfloat16"
@@ -346,6 +362,8 @@ def _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwar
         return "dropout", f"attention dropout {dropout} while training"
     if scaling is None:
         return "scaling", "no explicit scaling given (never assumed 1/sqrt(d))"
+    if scaling <= 0:
+        return "scaling", f"scaling={scaling}: the kernels take a positive scale only"
     if kwargs.get("position_bias") is not None:
         return "position_bias", "an additive position bias has no kernel"
     windowed = plan.window not in ((None, None), (None, 0))
@@ -378,7 +396,10 @@ def _run_kernels(plan: KernelMask, query, key, value, scaling):
 def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            softcap=None, **kwargs):
     """HF attention function: query ``[B, Hq, Nq, D]``, key/value ``[B, Hkv, Nk, D/Dv]`` -> ``(out [B, Nq, Hq, Dv]
-    contiguous, None)``; the kernels where exact, else the exact fallback (see the module docstring)."""
+    contiguous, None)``; the kernels where exact, else the exact fallback (see the module docstring).
+    Non-tensor, non-4D or non-floating inputs and a NaN/inf ``scaling`` raise TypeError/ValueError naming
+    the argument; ``scaling <= 0`` runs on SDPA (the kernels take a positive scale)."""
+    _check_inputs(query, key, value, scaling)
     group = cp_group.active_group()
     if group is not None:
         return _run_sharded(group, module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs), None

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 import xattn.core as xc
+from xattn.core.checks import _check_scale, check_attention, check_layout_sizes, check_sizes
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -60,6 +61,34 @@ def _kw(spec, family, softmax_scale, cu_q, cu_k, max_q, max_k):
     return kw
 
 
+def _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+    """Ranks and the kernels' size limits, from shapes alone: before anything is allocated (an expanded
+    ``[B, 2**31, H, D]`` view must not cost an output of that size). The core checks everything else."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k: give both (varlen) or neither (dense)")
+    varlen = cu_seqlens_q is not None
+    rank = 3 if varlen else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            what = "[T, H, D] (varlen)" if varlen else "[B, N, H, D] (dense)"
+            raise ValueError(f"{name}: expected rank {rank} {what}, got shape {tuple(t.shape)}")
+    check_sizes(q.shape, k.shape, v.shape, varlen)
+
+
+def _no_keys(q, k, varlen: bool) -> bool:
+    """Query rows but no key at all: the kernels have no launch for it; every row sees no key."""
+    rows_q, rows_k = (q.shape[0], k.shape[0]) if varlen else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
+    return rows_k == 0 and rows_q > 0
+
+
+def _check_no_keys(direction, family, buffers, spec, softmax_scale, kw) -> None:
+    """Validate a call without keys as the core validates any other (its result is written here)."""
+    _check_scale(softmax_scale)
+    check_attention(family, direction, buffers, spec.causal, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
+                    kw.get("max_seqlen_q"), kw.get("max_seqlen_k"), (spec.window_left, spec.window_right),
+                    allow_no_keys=True)
+
+
 def _fwd_shapes(q, v, varlen):
     lse = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     return (*q.shape[:-1], v.shape[-1]), lse
@@ -67,14 +96,19 @@ def _fwd_shapes(q, v, varlen):
 
 def _fwd_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
               max_seqlen_q, max_seqlen_k):
+    _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
     spec = _spec("fwd", family, q, k, v, causal, window_left, window_right, varlen)
-    fills = spec.output_fill()
+    no_keys = _no_keys(q, k, varlen)  # every row sees no key: out 0, lse -inf
+    fills = {"out": 0.0, "lse": float("-inf")} if no_keys else spec.output_fill()
     out_shape, lse_shape = _fwd_shapes(q, v, varlen)
     out = _new(out_shape, q.dtype, q.device, fills.get("out"))
     lse = _new(lse_shape, torch.float32, q.device, fills.get("lse"))
-    _FWD[family](q, k, v, out, lse, **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                                          max_seqlen_q, max_seqlen_k))
+    kw = _kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if no_keys:
+        _check_no_keys("fwd", family, dict(q=q, k=k, v=v, out=out, lse=lse), spec, softmax_scale, kw)
+    else:
+        _FWD[family](q, k, v, out, lse, **kw)
     return out, lse
 
 
@@ -104,19 +138,27 @@ def _alert_not_deterministic(op: str) -> None:
 
 def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
     spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
     if torch.are_deterministic_algorithms_enabled() and nondeterministic_op(spec) is not None:
         _alert_not_deterministic(nondeterministic_op(spec))  # raises, or warns under warn_only
     fills = spec.output_fill()
     no_rows = q.numel() == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
-    grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows else fills.get(n))
+    no_keys = _no_keys(q, k, varlen)  # no launch either: dq is 0 (dk, dv are empty)
+    grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows or no_keys else fills.get(n))
              for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
+    if no_keys:
+        _check_no_keys("bwd", family, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=grads[0], dk=grads[1],
+                                           dv=grads[2]), spec, softmax_scale,
+                       _kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        return tuple(grads)
     if varlen:
         sizes = (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     else:
         sizes = (q.shape[0], q.shape[1], k.shape[1], q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
     layout = bwd_workspace_shapes(spec, *sizes, q.shape[-2], k.shape[-2])
+    check_layout_sizes(layout)  # before allocating it
     ws = [_new(shape, torch.float32, q.device, fill) for _, shape, _, fill in layout]
     _BWD[family](dout, q, k, v, out, lse, *grads, workspace=ws,
                  **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
