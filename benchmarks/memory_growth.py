@@ -242,6 +242,16 @@ def verdict(tally: dict, grow: dict) -> tuple[bool, list[str]]:
     return not missed, missed
 
 
+def mix(cases: list, n: int, seed: int) -> list:
+    """``n`` calls: whole cycles over ``cases``, each cycle in its own shuffled order."""
+    rng, order = random.Random(seed), []
+    while len(order) < n:
+        cycle = list(cases)
+        rng.shuffle(cycle)
+        order += cycle
+    return order[:n]
+
+
 def run(calls: int = 1000, device: str = "cuda", small: bool = False, use_jax: bool = True,
         max_seconds: float = 170.0, warmup_cycles: int = 2, log=lambda m: print(m, flush=True)) -> dict:
     """The measurement (see the module docstring); returns the report dict."""
@@ -255,16 +265,11 @@ def run(calls: int = 1000, device: str = "cuda", small: bool = False, use_jax: b
             use_jax, jax_note = False, f"skipped: {exc}"
     samples = [sample("start", 0, t0, device, use_jax)]
     warm_tally: dict = {}
-    for _ in range(warmup_cycles):
-        for case in cases:
-            _call(case, warm_tally)
+    for case in mix(cases, warmup_cycles * len(cases), seed=1):  # shuffled too: the allocator sees the mix
+        _call(case, warm_tally)
     samples.append(sample("warm", 0, t0, device, use_jax))
-    rng, order, tally, done = random.Random(0), [], {}, 0
-    while len(order) < calls:
-        cycle = list(cases)
-        rng.shuffle(cycle)
-        order += cycle
-    for done, case in enumerate(order[:calls], 1):
+    tally, done = {}, 0
+    for done, case in enumerate(mix(cases, calls, seed=0), 1):
         _call(case, tally)
         if done % 100 == 0 or done == calls:
             samples.append(sample(str(done), done, t0, device, use_jax))
