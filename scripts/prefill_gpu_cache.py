@@ -6,7 +6,7 @@ machine loads these entries exactly as a cluster loads a cache filled on a login
 (``python -m xattn warmup --arch sm_90a``), which is itself a feature under test. Launchers
 not listed here are simply compiled on the GPU.
 
-    bash scripts/prefill_env.sh && .venv312/bin/python scripts/prefill_gpu_cache.py [--jobs 2] [--list]
+    bash scripts/prefill_env.sh && .venv312/bin/python scripts/prefill_gpu_cache.py [--jobs 2] [--list] [--fuzz]
 
 The key holds the Python minor version, so run it with the GPU machine's (3.12).
 """
@@ -25,14 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def specs(recorded=None):
+def specs(recorded=None, fuzz=False):
     """Every launcher spec the GPU tests and ``benchmarks/`` ask for (a superset is harmless), plus
-    those a CPU test run recorded (``XATTN_RECORD_SPECS=path pytest ...``; JSON rows of KernelSpec fields)."""
+    those a CPU test run recorded (``XATTN_RECORD_SPECS=path pytest ...``; JSON rows of KernelSpec fields),
+    plus, with ``fuzz``, the launcher pool of ``pytest -m fuzz`` (``tests/fuzz/space.py``)."""
     import json
 
     from xattn.core.spec import KernelSpec, supports
 
     out = []
+    if fuzz:
+        from tests.fuzz.space import launcher_pool
+
+        out += launcher_pool()
     for row in json.load(open(recorded)) if recorded else []:
         out.append(KernelSpec(**row))
         if row["family"] == "fa4":  # the GPU twins run both dtypes and both passes; FA4 compiles in seconds
@@ -98,10 +103,11 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--recorded", default=None, help="also the specs a CPU run recorded (XATTN_RECORD_SPECS)")
+    ap.add_argument("--fuzz", action="store_true", help="also the fuzz launcher pool (pytest -m fuzz)")
     ap.add_argument("--only", default=None, help="only the launchers whose short name matches this regex")
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "i/n": build every n-th spec
     args = ap.parse_args()
-    todo = specs(args.recorded)
+    todo = specs(args.recorded, args.fuzz)
     if args.only:
         import re
         todo = [s for s in todo if re.search(args.only, s.short_name())]
@@ -115,7 +121,8 @@ def main():
 
         warmup.run(todo[i::n], out=sys.stdout)
         return
-    extra = (["--recorded", args.recorded] if args.recorded else []) + (["--only", args.only] if args.only else [])
+    extra = (["--recorded", args.recorded] if args.recorded else []) + (["--only", args.only] if args.only else []) \
+        + (["--fuzz"] if args.fuzz else [])
     procs = [subprocess.Popen([sys.executable, __file__, "--shard", f"{i}/{args.jobs}", *extra], env=os.environ)
              for i in range(args.jobs)]
     if any(p.wait() for p in procs):

@@ -1,0 +1,341 @@
+"""Run one fuzz configuration through a front end and judge it against fp64.
+
+Front ends (``Config.front_end``):
+
+* ``core``: ``xattn.core`` ffpa/fa4 fwd + bwd on torch buffers the harness allocates (outputs in the
+  drawn layouts, NaN-poisoned except the documented pre-fills; workspace from ``bwd_workspace``,
+  NaN-poisoned except its ``fill``), on the current or an explicit stream;
+* ``core-jax``: the same core calls with every read-only buffer a JAX array through DLPack (q, k, v,
+  dout, out and lse of the backward, cu_seqlens) and torch outputs, passed as torch tensors or as raw
+  ``tvm_ffi.Tensor`` views (the core refuses JAX arrays as outputs: they are immutable);
+* ``torch``: ``xattn.torch.attention_with_lse`` (or, for FA4, ``xattn.torch.fa4.flash_attn_func`` /
+  ``flash_attn_varlen_func``) with autograd;
+* ``jax``: ``xattn.jax.ffpa_attention`` / ``flash_attention`` / ``varlen_attention`` under ``jax.vjp``
+  (eagerly or under ``jax.jit``), lse from ``ffpa_fwd`` / ``fa4_fwd`` / ``varlen_fwd``.
+
+Buffer layouts (``Config.layout``): ``contiguous``; ``swapped`` (``[B, H, N, D]`` / ``[H, T, D]``
+storage viewed as ``[B, N, H, D]`` / ``[T, H, D]``, what Hugging Face hands over); ``padded:P`` (head
+dim stored with P extra elements, NaN); ``wide:E:O`` (heads O..O+H of storage with H+E heads, NaN
+around). JAX arrays are compact: for ``jax``, ``swapped`` means the function is given
+``[B, H, N, D]`` arrays and transposes them itself.
+
+``CORE`` holds the core entry points; the CPU tests swap in the fp64 stand-ins of
+``tests/torch/stubs.py`` to run the whole harness without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+import xattn.core as xc
+from tests.reference import attention as ref_attention, varlen_attention as ref_varlen
+
+from .space import Config
+from .tolerance import Check, compare, lowprec_attention, lowprec_varlen_attention
+
+__all__ = ["CORE", "RUNNERS", "Inputs", "make_inputs", "place", "evaluate", "run_one", "QUANTITIES"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+CORE = {"ffpa_fwd": xc.ffpa_fwd, "ffpa_bwd": xc.ffpa_bwd, "fa4_fwd": xc.fa4_fwd, "fa4_bwd": xc.fa4_bwd}
+NAN = float("nan")
+
+
+@dataclass
+class Inputs:
+    """Logical tensors (dense ``[B, N, H, D]`` or varlen ``[T, H, D]``) in their drawn layouts."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+
+
+def place(t: torch.Tensor, layout: str, fill: float = NAN) -> torch.Tensor:
+    """A view equal to ``t`` whose storage is laid out as ``layout`` says (module docstring)."""
+    kind, *args = layout.split(":")
+    if kind == "contiguous":
+        return t.contiguous()
+    if kind == "swapped":
+        return t.transpose(-3, -2).contiguous().transpose(-3, -2)
+    if kind == "padded":
+        d = t.shape[-1]
+        buf = torch.full((*t.shape[:-1], d + int(args[0])), fill, dtype=t.dtype, device=t.device)
+        buf[..., :d] = t
+        return buf[..., :d]
+    if kind == "wide":
+        extra, off = int(args[0]), int(args[1])
+        h = t.shape[-2]
+        buf = torch.full((*t.shape[:-2], h + extra, t.shape[-1]), fill, dtype=t.dtype, device=t.device)
+        buf[..., off:off + h, :] = t
+        return buf[..., off:off + h, :]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _cu(lengths, device) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def shapes(cfg: Config) -> dict[str, tuple]:
+    e = cfg.entry
+    lead_q = (cfg.total_q,) if cfg.varlen else (cfg.batch, cfg.seqlen_q)
+    lead_k = (cfg.total_k,) if cfg.varlen else (cfg.batch, cfg.seqlen_k)
+    lse = (cfg.heads_q, cfg.total_q) if cfg.varlen else (cfg.batch, cfg.heads_q, cfg.seqlen_q)
+    return {"q": (*lead_q, cfg.heads_q, e.head_dim), "k": (*lead_k, cfg.heads_kv, e.head_dim),
+            "v": (*lead_k, cfg.heads_kv, e.head_dim_v), "out": (*lead_q, cfg.heads_q, e.head_dim_v),
+            "dout": (*lead_q, cfg.heads_q, e.head_dim_v), "lse": lse}
+
+
+def make_inputs(cfg: Config, device) -> Inputs:
+    """Seeded ``randn`` q, k, v, dout (from ``cfg.seed``) in the drawn layouts, and cu_seqlens."""
+    dt = DTYPES[cfg.entry.dtype]
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    sh = shapes(cfg)
+    fresh = {n: torch.randn(sh[n], generator=gen, device=device, dtype=dt) for n in ("q", "k", "v", "dout")}
+    placed = {n: place(t, cfg.layout(n)) if cfg.front_end != "jax" else t for n, t in fresh.items()}
+    cu = (_cu(cfg.lens_q, device), _cu(cfg.lens_k, device)) if cfg.varlen else (None, None)
+    return Inputs(placed["q"], placed["k"], placed["v"], placed["dout"], *cu)
+
+
+def _mask_args(cfg: Config):
+    """``(causal, window)`` as the front end is called: canonical, or the other spelling of the same mask."""
+    e = cfg.entry
+    if cfg.opt("spelling") != "alt":
+        return e.causal, e.window
+    if e.causal:
+        return False, (None, 0)  # causal is the window (None, 0)
+    return True, (e.window[0], None)  # causal + a left window is the window (left, 0)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# --- front ends: each returns {out, lse, dq, dk, dv} as torch tensors in the logical layout ------------
+
+def _core_kwargs(cfg: Config, inp_cu, device) -> dict:
+    causal, window = _mask_args(cfg)
+    kw = dict(softmax_scale=cfg.scale, causal=causal)
+    if cfg.entry.family == "fa4":
+        kw["window_size"] = window
+    if cfg.varlen:
+        kw.update(cu_seqlens_q=inp_cu[0], cu_seqlens_k=inp_cu[1], max_seqlen_q=cfg.seqlen_q,
+                  max_seqlen_k=cfg.seqlen_k)
+    if cfg.opt("stream") == "explicit" and torch.device(device).type == "cuda":
+        kw["stream"] = torch.cuda.current_stream().cuda_stream
+    return kw
+
+
+def _core_buffers(cfg: Config, direction: str, device) -> dict:
+    spec = cfg.specs()[0 if direction == "fwd" else 1]
+    fills = spec.output_fill()
+    names = ("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")
+    src = {"out": "out", "lse": "lse", "dq": "q", "dk": "k", "dv": "v"}
+    sh = shapes(cfg)
+    out = {}
+    for n in names:
+        dtype = torch.float32 if n == "lse" else DTYPES[cfg.entry.dtype]
+        t = torch.full(sh[src[n]], fills.get(n, NAN), dtype=dtype, device=device)
+        out[n] = place(t, cfg.layout(n), fill=fills.get(n, NAN))
+    return out
+
+
+def _workspace(cfg: Config, q_shape, k_shape, device) -> list[torch.Tensor]:
+    causal, window = _mask_args(cfg)
+    layout = xc.bwd_workspace(cfg.entry.family, q_shape, k_shape, head_dim_v=cfg.entry.head_dim_v,
+                              causal=causal, window_size=window, num_seqs=cfg.batch if cfg.varlen else None)
+    return [torch.full(shape, NAN if fill is None else fill, dtype=torch.float32, device=device)
+            for _, shape, _, fill in layout]
+
+
+def run_core(cfg: Config, inp: Inputs, device) -> dict:
+    fam = cfg.entry.family
+    kw = _core_kwargs(cfg, (inp.cu_q, inp.cu_k), device)
+    fwd = _core_buffers(cfg, "fwd", device)
+    CORE[f"{fam}_fwd"](inp.q, inp.k, inp.v, fwd["out"], fwd["lse"], **kw)
+    bwd = _core_buffers(cfg, "bwd", device)
+    ws = _workspace(cfg, inp.q.shape, inp.k.shape, device)
+    CORE[f"{fam}_bwd"](inp.dout, inp.q, inp.k, inp.v, fwd["out"], fwd["lse"], bwd["dq"], bwd["dk"], bwd["dv"],
+                       workspace=ws, **kw)
+    return {**fwd, **bwd}
+
+
+def _to_jax(t: torch.Tensor):
+    import jax.numpy as jnp
+
+    return jnp.from_dlpack(t.contiguous())
+
+
+def run_core_jax(cfg: Config, inp: Inputs, device) -> dict:
+    """Core calls with JAX arrays for every input; outputs torch (or raw tvm_ffi views of torch)."""
+    import jax
+    import tvm_ffi
+
+    fam = cfg.entry.family
+    _sync(device)
+    jq, jk, jv, jdo = (_to_jax(t) for t in (inp.q, inp.k, inp.v, inp.dout))
+    cu = (_to_jax(inp.cu_q), _to_jax(inp.cu_k)) if cfg.varlen else (None, None)
+    jax.block_until_ready([x for x in (jq, jk, jv, jdo, *cu) if x is not None])
+    kw = _core_kwargs(cfg, cu, device)
+    view = tvm_ffi.from_dlpack if cfg.opt("outputs") == "tvm_ffi" else (lambda t: t)
+    fwd = _core_buffers(cfg, "fwd", device)
+    CORE[f"{fam}_fwd"](jq, jk, jv, view(fwd["out"]), view(fwd["lse"]), **kw)
+    _sync(device)
+    jout, jlse = _to_jax(fwd["out"]), _to_jax(fwd["lse"])
+    jax.block_until_ready([jout, jlse])
+    bwd = _core_buffers(cfg, "bwd", device)
+    ws = [view(w) for w in _workspace(cfg, inp.q.shape, inp.k.shape, device)]
+    CORE[f"{fam}_bwd"](jdo, jq, jk, jv, jout, jlse, view(bwd["dq"]), view(bwd["dk"]), view(bwd["dv"]),
+                       workspace=ws, **kw)
+    _sync(device)
+    return {**fwd, **bwd}
+
+
+def run_torch(cfg: Config, inp: Inputs, device) -> dict:
+    import xattn.torch as xt
+
+    e = cfg.entry
+    q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))  # same strides as drawn
+    causal, window = _mask_args(cfg)
+    loose = cfg.opt("max_seqlen") == "loose"
+    if cfg.opt("entry") == "flash_attn_func":
+        from xattn.torch.fa4 import flash_attn_func, flash_attn_varlen_func
+
+        if cfg.varlen:  # loose: let the helper find the longest document itself (a host read)
+            out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=inp.cu_q, cu_seqlens_k=inp.cu_k,
+                                              max_seqlen_q=None if loose else cfg.seqlen_q,
+                                              max_seqlen_k=None if loose else cfg.seqlen_k,
+                                              softmax_scale=cfg.scale, causal=causal, window_size=window)
+        else:
+            out, lse = flash_attn_func(q, k, v, softmax_scale=cfg.scale, causal=causal, window_size=window)
+    else:
+        kw = {}
+        if cfg.varlen:  # loose: an upper bound larger than the longest document (allowed)
+            kw = dict(cu_seqlens_q=inp.cu_q, cu_seqlens_k=inp.cu_k, max_seqlen_q=cfg.seqlen_q + 13 * loose,
+                      max_seqlen_k=cfg.seqlen_k + 7 * loose)
+        default_scale = cfg.scale == 1.0 / math.sqrt(e.head_dim)
+        out, lse = xt.attention_with_lse(q, k, v, softmax_scale=None if default_scale else cfg.scale,
+                                         causal=causal, window_size=window,
+                                         family=e.family if cfg.opt("family") == "explicit" else None, **kw)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inp.dout)
+    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def run_jax(cfg: Config, inp: Inputs, device) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import xattn.jax as xj
+
+    e = cfg.entry
+    swapped = [n for n in ("q", "k", "v") if cfg.layout(n) == "swapped" and not cfg.varlen]
+    _sync(device)
+    arrays = {n: _to_jax(getattr(inp, n)) for n in ("q", "k", "v", "dout")}
+    for n in swapped:  # the caller holds [B, H, N, D]; the differentiated function transposes
+        arrays[n] = jnp.swapaxes(arrays[n], 1, 2)
+    kw = dict(scale=cfg.scale, causal=e.causal, backend="kernel")
+    if cfg.varlen:
+        cu_q, cu_k = _to_jax(inp.cu_q), _to_jax(inp.cu_k)
+        vkw = dict(kw, max_seqlen_q=cfg.seqlen_q, max_seqlen_k=cfg.seqlen_k, family=e.family, window_size=e.window)
+
+        def attn(q, k, v):
+            return xj.varlen_attention(q, k, v, cu_q, cu_k, **vkw)
+
+        def lse_of(q, k, v):
+            return xj.varlen_fwd(q, k, v, cu_q, cu_k, **vkw)[1]
+    else:
+        dense = xj.ffpa_attention if e.family == "ffpa" else xj.flash_attention
+        low = xj.ffpa_fwd if e.family == "ffpa" else xj.fa4_fwd
+        wkw = {} if e.family == "ffpa" else dict(window_size=e.window)
+
+        def unswap(q, k, v):
+            return [jnp.swapaxes(x, 1, 2) if n in swapped else x for n, x in zip("qkv", (q, k, v))]
+
+        def attn(q, k, v):
+            return dense(*unswap(q, k, v), **kw, **wkw)
+
+        def lse_of(q, k, v):
+            return low(*unswap(q, k, v), **kw, **wkw)[1]
+
+    def step(q, k, v, dout):
+        out, pull = jax.vjp(attn, q, k, v)
+        return (out, lse_of(q, k, v), *pull(dout))
+
+    if cfg.opt("jit"):
+        step = jax.jit(step)
+    res = jax.block_until_ready(step(arrays["q"], arrays["k"], arrays["v"], arrays["dout"]))
+    got = dict(zip(QUANTITIES, res))
+    for n in swapped:
+        got["d" + n] = jnp.swapaxes(got["d" + n], 1, 2)
+    return {n: torch.from_dlpack(jax.block_until_ready(x)).to(device) for n, x in got.items()}
+
+
+RUNNERS = {"core": run_core, "core-jax": run_core_jax, "torch": run_torch, "jax": run_jax}
+
+
+# --- references and the verdict -----------------------------------------------------------------------
+
+def _grads(out, leaves, dout):
+    if not out.requires_grad:  # no document had both queries and keys
+        return [torch.zeros_like(t) for t in leaves]
+    grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+
+
+def references(cfg: Config, inp: Inputs) -> tuple[dict, dict]:
+    """``(fp64, low precision)`` out, lse, dq, dk, dv for ``inp``, on its device."""
+    e = cfg.entry
+    kw = dict(scale=cfg.scale, causal=e.causal, window=e.window)
+    result = []
+    for low in (False, True):
+        leaves = [t.detach().clone() if low else t.detach().to(torch.float64) for t in (inp.q, inp.k, inp.v)]
+        for t in leaves:
+            t.requires_grad_()
+        if cfg.varlen:
+            fn = lowprec_varlen_attention if low else ref_varlen
+            out, lse = fn(*leaves, inp.cu_q, inp.cu_k, **kw)
+        else:
+            out, lse = (lowprec_attention if low else ref_attention)(*leaves, **kw)
+        dout = inp.dout.detach().to(out.dtype)
+        grads = _grads(out, leaves, dout)
+        result.append({"out": out.detach(), "lse": lse.detach(), **dict(zip(("dq", "dk", "dv"), grads))})
+    return result[0], result[1]
+
+
+def evaluate(cfg: Config, device="cuda") -> list[Check]:
+    """Run ``cfg`` through its front end and compare every quantity with fp64 (``tolerance.py``)."""
+    inp = make_inputs(cfg, device)
+    got = RUNNERS[cfg.front_end](cfg, inp, device)
+    _sync(device)
+    ref64, ref_lp = references(cfg, inp)
+    dt = DTYPES[cfg.entry.dtype]
+    return [compare(n, got[n], ref64[n], ref_lp[n], dt) for n in QUANTITIES]
+
+
+def rerun_hint(cfg: Config) -> str:
+    module = "test_fuzz_" + cfg.front_end.replace("-", "_") + ".py"
+    return f"rerun alone: XATTN_FUZZ_ONLY={cfg.seed} python -m pytest -m fuzz -q tests/fuzz/{module}"
+
+
+def run_one(cfg: Config, collector, device="cuda") -> list[Check]:
+    """Evaluate ``cfg``, record it in ``collector`` (pass, fail or error), raise AssertionError on failure."""
+    t0 = time.perf_counter()
+    try:
+        checks = evaluate(cfg, device)
+    except Exception as exc:
+        collector.record(cfg, [], error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0)
+        raise AssertionError(f"{cfg.describe()}\n{type(exc).__name__}: {exc}\n{rerun_hint(cfg)}") from exc
+    collector.record(cfg, checks, seconds=time.perf_counter() - t0)
+    if not all(c.ok for c in checks):
+        raise AssertionError("\n".join([cfg.describe(), *map(repr, checks), rerun_hint(cfg)]))
+    return checks

@@ -1,0 +1,105 @@
+"""The fuzz results: one row per front end, written at the end of the session.
+
+``benchmarks/results/fuzz_h200.json`` (or ``XATTN_FUZZ_OUT``)::
+
+    {"suite": ..., "tolerance": ..., "pool_launchers": 60,
+     "rows": [{"front_end": "core", "configs": 300, "passed": 300, "failed": 0,
+               "worst_err_over_tol": 0.41, "worst": "s123-fa4-... dq", "failing_seeds": [],
+               "seed": 20261201, "device": "NVIDIA H200", "date": "2026-12-01", "seconds": 51.2, ...}, ...]}
+
+Rows of front ends that did not run in this session are kept from an existing file, so front ends
+can run in separate processes (or device calls) and still end up in one file. With ``autosave`` the
+file is rewritten after every configuration, so a run cut short by a time limit still leaves its rows
+(``configs`` < ``n_requested`` shows it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from pathlib import Path
+
+from .space import POOL, Config
+from .tolerance import K
+
+__all__ = ["Collector", "output_path", "DESCRIPTIONS"]
+
+ROOT = Path(__file__).resolve().parents[2]
+DESCRIPTIONS = {
+    "core": "xattn.core ffpa/fa4 fwd + bwd on torch buffers (drawn layouts, poisoned outputs, bwd_workspace)",
+    "core-jax": "xattn.core with JAX arrays (DLPack) for q, k, v, dout, out/lse and cu_seqlens; torch outputs, "
+                "some as raw tvm_ffi.Tensor views",
+    "torch": "xattn.torch.attention_with_lse / xattn.torch.fa4.flash_attn(_varlen)_func + torch.autograd",
+    "jax": "xattn.jax ffpa_attention / flash_attention / varlen_attention under jax.vjp (eager or jit)",
+}
+TOLERANCE = ("per quantity: max|x - x64| <= K * max|x_lowprec - x64| + eps(dtype) * max(max|x64|, 1), "
+             f"K = {K}; x_lowprec: the same attention computed in the input dtype (tests/fuzz/tolerance.py)")
+
+
+def output_path() -> Path:
+    return Path(os.environ.get("XATTN_FUZZ_OUT") or ROOT / "benchmarks" / "results" / "fuzz_h200.json")
+
+
+class Collector:
+    """Accumulates verdicts per front end; :meth:`write` merges them into the results file."""
+
+    def __init__(self, base_seed: int, n: int, only=None, kernels: str = "cutedsl", autosave=None):
+        self.base_seed, self.n, self.only, self.kernels = base_seed, n, only, kernels
+        self.autosave = autosave  # (path, device) to rewrite after every record, or None
+        self.rows: dict[str, dict] = {}
+
+    def record(self, cfg: Config, checks, error: str | None = None, seconds: float = 0.0) -> None:
+        row = self.rows.setdefault(cfg.front_end, dict(configs=0, passed=0, failed=0, worst_err_over_tol=0.0,
+                                                        worst="", failing_seeds=[], errors={}, seconds=0.0))
+        row["configs"] += 1
+        row["seconds"] += seconds
+        ok = error is None and all(c.ok for c in checks)
+        row["passed" if ok else "failed"] += 1
+        if not ok:
+            row["failing_seeds"].append(cfg.seed)
+        if error is not None:
+            row["errors"][str(cfg.seed)] = error[:300]
+        for c in checks:
+            ratio = c.ratio if not c.problems else math.inf
+            if ratio > row["worst_err_over_tol"]:
+                row["worst_err_over_tol"] = ratio
+                row["worst"] = f"{cfg.id} {c!r}"
+        if self.autosave is not None:
+            self.write(*self.autosave)
+
+    def table(self, device: str, date: str | None = None) -> list[dict]:
+        date = date or datetime.date.today().isoformat()
+        out = []
+        for front_end, row in self.rows.items():
+            worst = row["worst_err_over_tol"]
+            out.append({"front_end": front_end, "configs": row["configs"], "passed": row["passed"],
+                        "failed": row["failed"],
+                        "worst_err_over_tol": round(worst, 4) if math.isfinite(worst) else "inf",
+                        "worst": row["worst"], "failing_seeds": sorted(row["failing_seeds"]),
+                        "errors": row["errors"], "seed": self.base_seed, "n_requested": self.n,
+                        "only": self.only, "device": device, "date": date, "seconds": round(row["seconds"], 1),
+                        "kernels": self.kernels, "what": DESCRIPTIONS.get(front_end, "")})
+        return out
+
+    def write(self, path, device: str, date: str | None = None) -> dict:
+        """Write (merge) the rows of this session into ``path``; returns the document written."""
+        path = Path(path)
+        new = self.table(device, date)
+        kept = []
+        if path.exists():
+            try:
+                kept = [r for r in json.loads(path.read_text()).get("rows", [])
+                        if r.get("front_end") not in self.rows]
+            except (ValueError, AttributeError):
+                kept = []
+        order = {"core": 0, "core-jax": 1, "torch": 2, "jax": 3}
+        rows = sorted(kept + new, key=lambda r: order.get(r.get("front_end"), 9))
+        doc = {"suite": "pytest -m fuzz tests/fuzz (random configurations vs fp64, forward and backward)",
+               "tolerance": TOLERANCE, "pool_launchers": 2 * len(POOL), "rows": rows}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+        return doc

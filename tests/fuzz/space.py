@@ -1,0 +1,367 @@
+"""The fuzz configuration space: a fixed pool of launchers; everything else drawn per configuration.
+
+Every distinct :class:`~xattn.core.spec.KernelSpec` is a separately compiled launcher (FFPA ~25-50 s,
+FA4 ~5-10 s on a CPU), while batch, sequence lengths and head counts are dynamic. So a configuration
+picks its kernel from :data:`POOL` (30 forward/backward pairs, 60 launchers: :func:`launcher_pool`,
+which ``scripts/prefill_gpu_cache.py --fuzz`` compiles ahead of the GPU run) and draws the rest:
+batch, Nq != Nk (1, small, not a multiple of any tile, sometimes one), heads at the pool entry's
+GQA ratio, document lengths (empty and length-1 documents included), memory layouts (permuted
+``[B, H, N, D]`` storage, padded head dim, a slice of wider head storage), softmax scale, and the
+front end's own choices (entry point, stream, mask spelling, jit).
+
+Seeds: the base seed is ``XATTN_FUZZ_SEED`` (default :data:`DEFAULT_SEED`); configuration ``i`` of a
+front end gets ``config_seed(base, front_end, i)``, and ``draw(front_end, seed)`` rebuilds it from
+that seed alone, so ``XATTN_FUZZ_ONLY=<seed>[,<seed>...]`` reruns one failing configuration.
+``XATTN_FUZZ_N`` configurations per front end (default 300).
+
+Imports neither torch nor jax (the prefill script imports it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+from dataclasses import dataclass, field
+
+from xattn.core.spec import KernelSpec, supports
+
+__all__ = ["POOL", "FRONT_ENDS", "PoolEntry", "Config", "Limits", "GPU_LIMITS", "CPU_LIMITS", "launcher_pool",
+           "config_seed", "draw", "configs", "env_settings", "DEFAULT_SEED", "DEFAULT_N"]
+
+DEFAULT_SEED = 20261201
+DEFAULT_N = 300
+FRONT_ENDS = ("core", "core-jax", "torch", "jax")
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class PoolEntry:
+    """One forward/backward launcher pair: everything that is compiled in."""
+
+    family: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    g: int  # q heads per kv head
+    causal: bool = False
+    varlen: bool = False
+    window: tuple = (None, None)
+
+    def spec(self, direction: str) -> KernelSpec:
+        return KernelSpec(self.family, direction, self.dtype, self.head_dim, self.head_dim_v, self.g,
+                          self.causal, self.varlen, *self.window)
+
+    @property
+    def mask(self) -> str:
+        if self.causal:
+            return "causal"
+        if self.window != (None, None):
+            return "w{}_{}".format(*self.window)
+        return "full"
+
+    @property
+    def name(self) -> str:
+        return (f"{self.family}-d{self.head_dim}x{self.head_dim_v}-g{self.g}-{self.mask}-"
+                f"{'varlen' if self.varlen else 'dense'}-{_SHORT_DTYPE[self.dtype]}")
+
+
+def _e(family, dtype, d, g, mask="full", varlen=False, dv=None):
+    causal, window = mask == "causal", ((None, None) if mask in ("full", "causal") else mask)
+    return PoolEntry(family, dtype, d, dv or d, g, causal, varlen, window)
+
+
+BF, FP = "bfloat16", "float16"
+# Chosen to cover the space with few compiles: every FA4 head-dim pair, FFPA 320/336/384/448/512 (its
+# three kernel classes: d512 SplitD, <= 384, generic), both dtypes per family, GQA 1/2/4/8 per family
+# plus FA4 ratios that do not divide a tile (5, 6), full / causal / windows (64, 0),
+# (100, 37), (None, 128), dense and varlen in each family. Most FFPA entries are launchers the GPU
+# tests already use (cheap to prefill). FFPA with a ratio that does not divide 64 (e.g. 3) is left out:
+# its forward does not compile (ffpa_sm90 passes pack_gqa=True; SplitD asserts tile_m % g == 0) although
+# supports() accepts it (reported on issue #12).
+POOL: tuple[PoolEntry, ...] = (
+    _e("ffpa", BF, 512, 1),
+    _e("ffpa", BF, 512, 4, "causal", varlen=True),
+    _e("ffpa", FP, 512, 8, "causal"),
+    _e("ffpa", BF, 512, 2, varlen=True),
+    _e("ffpa", FP, 512, 8, "causal", varlen=True),
+    _e("ffpa", BF, 320, 2, "causal"),
+    _e("ffpa", FP, 320, 1, varlen=True),
+    _e("ffpa", BF, 336, 2, "causal"),
+    _e("ffpa", FP, 384, 2),
+    _e("ffpa", BF, 384, 1, "causal", varlen=True),
+    _e("ffpa", BF, 448, 2, "causal"),
+    _e("ffpa", FP, 448, 4, varlen=True),
+    _e("fa4", BF, 64, 1),
+    _e("fa4", FP, 64, 4, "causal", varlen=True),
+    _e("fa4", BF, 64, 8, (64, 0)),
+    _e("fa4", FP, 96, 2, "causal"),
+    _e("fa4", BF, 96, 1, (100, 37), varlen=True),
+    _e("fa4", BF, 128, 4, "causal"),
+    _e("fa4", FP, 128, 1, varlen=True),
+    _e("fa4", BF, 128, 2, (None, 128)),
+    _e("fa4", BF, 128, 8),
+    _e("fa4", BF, 192, 1, "causal", dv=128),
+    _e("fa4", FP, 192, 1, varlen=True, dv=128),
+    _e("fa4", BF, 192, 1, (64, 0), dv=128),
+    _e("fa4", BF, 192, 5),
+    _e("fa4", FP, 192, 1, "causal", varlen=True),
+    _e("fa4", BF, 256, 2, "causal", varlen=True),
+    _e("fa4", FP, 256, 1),
+    _e("fa4", BF, 256, 4, (100, 37)),
+    _e("fa4", FP, 256, 6, varlen=True),
+)
+
+
+def launcher_pool() -> list[KernelSpec]:
+    """The launchers every fuzz configuration draws from (forward and backward of each pool entry)."""
+    return [entry.spec(direction) for entry in POOL for direction in ("fwd", "bwd")]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size bounds of drawn shapes. ``max_scores`` bounds sum(B * Hq * Nq * Nk) (the reference's N^2)."""
+
+    max_n: int = 2048
+    max_batch: int = 4
+    max_heads_q: int = 16
+    max_docs: int = 8
+    max_scores: int = 1 << 25
+
+
+GPU_LIMITS = Limits()
+CPU_LIMITS = Limits(max_n=40, max_batch=2, max_heads_q=4, max_docs=3, max_scores=1 << 13)
+# JAX compiles once per new shape: its shapes come from buckets so that compiles repeat.
+_JAX_N = (1, 7, 100, 255, 513, 1000, 1999)
+_JAX_T = (1, 9, 130, 400, 777, 1500)
+_JAX_DOCS = (1, 3, 6)
+_ALIGNED = (64, 128, 192, 256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One fuzz configuration. Dense: ``lens_q``/``lens_k`` are empty; varlen: one entry per document.
+
+    ``layouts`` maps a buffer name to its storage (see ``tests/fuzz/harness.py``); ``options`` holds
+    the front end's choices (entry point, stream, mask spelling, jit, ...).
+    """
+
+    front_end: str
+    seed: int
+    entry: PoolEntry
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_kv: int
+    scale: float
+    lens_q: tuple = ()
+    lens_k: tuple = ()
+    layouts: tuple = ()
+    options: tuple = ()
+    _opts: dict = field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_opts", dict(self.options))
+
+    def opt(self, name: str, default=None):
+        return self._opts.get(name, default)
+
+    def layout(self, name: str) -> str:
+        return dict(self.layouts).get(name, "contiguous")
+
+    @property
+    def heads_q(self) -> int:
+        return self.entry.g * self.heads_kv
+
+    @property
+    def varlen(self) -> bool:
+        return self.entry.varlen
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.lens_q) if self.varlen else self.batch * self.seqlen_q
+
+    @property
+    def total_k(self) -> int:
+        return sum(self.lens_k) if self.varlen else self.batch * self.seqlen_k
+
+    def scores(self) -> int:
+        """Elements of the reference's score matrices, all heads and documents together."""
+        if self.varlen:
+            return self.heads_q * sum(a * b for a, b in zip(self.lens_q, self.lens_k))
+        return self.batch * self.heads_q * self.seqlen_q * self.seqlen_k
+
+    def specs(self) -> tuple[KernelSpec, KernelSpec]:
+        return self.entry.spec("fwd"), self.entry.spec("bwd")
+
+    @property
+    def id(self) -> str:
+        """``s<seed>-<pool entry>``: the test id; ``XATTN_FUZZ_ONLY=<seed>`` reruns it."""
+        return f"s{self.seed}-{self.entry.name}"
+
+    def describe(self) -> str:
+        shape = (f"docs q={list(self.lens_q)} k={list(self.lens_k)}" if self.varlen
+                 else f"B={self.batch} Nq={self.seqlen_q} Nk={self.seqlen_k}")
+        return (f"{self.front_end} {self.id}: {shape} Hq={self.heads_q} Hkv={self.heads_kv} "
+                f"scale={self.scale:.4g} layouts={dict(self.layouts)} options={self._opts}")
+
+
+def config_seed(base: int, front_end: str, index: int) -> int:
+    """Seed of configuration ``index`` of ``front_end`` under base seed ``base`` (31 bits, stable)."""
+    digest = hashlib.sha256(f"xattn-fuzz:{base}:{front_end}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _length(rng: random.Random, cap: int, low: int = 1) -> int:
+    """A sequence length in [low, cap]: tiny, tile-aligned, or log-uniform (rarely a tile multiple)."""
+    cap = max(cap, low)
+    r = rng.random()
+    if r < 0.15:
+        return rng.randint(low, min(cap, 16))
+    if r < 0.25:
+        aligned = [a for a in _ALIGNED if low <= a <= cap]
+        if aligned:
+            return rng.choice(aligned)
+    return min(cap, max(low, round(math.exp(rng.uniform(math.log(max(low, 2)), math.log(cap + 0.5))))))
+
+
+def _split(rng: random.Random, total: int, parts: int) -> list[int]:
+    """``total`` tokens over ``parts`` documents, some empty or of length 1."""
+    cuts = sorted(rng.randint(0, total) for _ in range(parts - 1))
+    lens = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+    rng.shuffle(lens)
+    return lens
+
+
+def _doc_lengths(rng: random.Random, front_end: str, lim: Limits) -> tuple[list[int], list[int]]:
+    if front_end == "jax":  # bucketed totals, random split (documents of 0 and 1 come up often)
+        docs = rng.choice([d for d in _JAX_DOCS if d <= lim.max_docs] or [1])
+        tq = rng.choice([t for t in _JAX_T if t <= lim.max_n * docs] or [1])
+        tk = tq if rng.random() < 0.4 else rng.choice([t for t in _JAX_T if t <= lim.max_n * docs] or [1])
+        return _split(rng, tq, docs), _split(rng, tk, docs)
+    docs = rng.randint(1, lim.max_docs)
+    cap = max(1, lim.max_n // 2)
+    lens_q, lens_k = [], []
+    for _ in range(docs):
+        r = rng.random()
+        lq = 0 if r < 0.15 else 1 if r < 0.3 else _length(rng, cap)
+        r = rng.random()
+        lk = lq if r < 0.35 and lq else 0 if r < 0.45 else 1 if r < 0.5 else _length(rng, cap)
+        lens_q.append(lq)
+        lens_k.append(lk)
+    return lens_q, lens_k
+
+
+def _layouts(rng: random.Random, names, varlen: bool, front_end: str) -> list[tuple[str, str]]:
+    """Storage per buffer: contiguous, heads-major (``[B, H, N, D]`` / ``[H, T, D]`` permuted),
+    padded head dim, or a slice of wider head storage. JAX arrays are compact: only "swapped"."""
+    out = []
+    for name in names:
+        if front_end == "jax":
+            kinds, weights = ["contiguous", "swapped"], [0.7, 0.3]
+            if varlen:
+                kinds, weights = ["contiguous"], [1.0]
+        elif name == "lse":
+            kinds, weights = ["contiguous", f"padded:{rng.choice([1, 3, 8])}"], [0.7, 0.3]
+        else:
+            kinds = ["contiguous", "swapped", f"padded:{8 * rng.randint(1, 4)}",
+                     f"wide:{rng.randint(1, 3)}:{rng.randint(0, 1)}"]
+            weights = [0.45, 0.25, 0.15, 0.15]
+        kind = rng.choices(kinds, weights)[0]
+        if kind != "contiguous":
+            out.append((name, kind))
+    return out
+
+
+def _options(rng: random.Random, front_end: str, entry: PoolEntry) -> list[tuple[str, object]]:
+    opts = []
+    alt = entry.family == "fa4" and (entry.causal or entry.window[1] == 0) and rng.random() < 0.5
+    if front_end in ("core", "core-jax", "torch") and alt:
+        opts.append(("spelling", "alt"))  # causal as window (None, 0); window (L, 0) as causal + (L, None)
+    if front_end in ("core", "core-jax"):
+        opts.append(("stream", rng.choice(["current", "explicit"])))
+    if front_end == "core-jax":
+        opts.append(("outputs", rng.choice(["torch", "tvm_ffi"])))
+    if front_end == "torch":
+        entries = ["attention_with_lse"] + (["flash_attn_func"] if entry.family == "fa4" else [])
+        opts.append(("entry", rng.choice(entries)))
+        opts.append(("family", rng.choice(["auto", "explicit"])))
+        if entry.varlen:
+            opts.append(("max_seqlen", rng.choice(["exact", "loose"])))
+    if front_end == "jax":
+        opts.append(("jit", rng.random() < 0.25))
+    return opts
+
+
+def draw(front_end: str, seed: int, limits: Limits = GPU_LIMITS, pool=POOL) -> Config:
+    """The configuration of ``seed`` for ``front_end`` (deterministic; independent of any other draw)."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"front_end: expected one of {FRONT_ENDS}, got {front_end!r}")
+    rng = random.Random(seed)
+    entry = rng.choice(pool)
+    lim = limits
+    for _ in range(100):  # redraw shapes until the reference's score matrices fit the budget
+        hkv_cap = max(1, lim.max_heads_q // entry.g)
+        if front_end == "jax":
+            heads_kv = rng.choice([h for h in (1, 2) if h <= hkv_cap])
+        else:
+            heads_kv = rng.randint(1, min(hkv_cap, 4))
+        if entry.varlen:
+            lens_q, lens_k = _doc_lengths(rng, front_end, lim)
+            if sum(lens_q) == 0:
+                lens_q[rng.randrange(len(lens_q))] = 1  # at least one query row
+            if sum(lens_k) == 0:
+                lens_k[rng.randrange(len(lens_k))] = 1  # some key to attend to
+            batch, nq, nk = len(lens_q), max(lens_q), max(lens_k)
+        else:
+            lens_q = lens_k = []
+            if front_end == "jax":
+                batch = rng.choice([b for b in (1, 2, 3) if b <= lim.max_batch])
+                ns = [n for n in _JAX_N if n <= lim.max_n]
+                nq = rng.choice(ns)
+                nk = nq if rng.random() < 0.3 else rng.choice(ns)
+            else:
+                batch = rng.randint(1, lim.max_batch)
+                nq = _length(rng, lim.max_n)
+                nk = nq if rng.random() < 0.3 else _length(rng, lim.max_n)
+        cfg_scores = entry.g * heads_kv * (sum(a * b for a, b in zip(lens_q, lens_k)) if entry.varlen
+                                           else batch * nq * nk)
+        if cfg_scores <= lim.max_scores:
+            break
+        lim = Limits(max(1, lim.max_n // 2), lim.max_batch, lim.max_heads_q, lim.max_docs, lim.max_scores)
+    scale = 1.0 / math.sqrt(entry.head_dim)
+    if rng.random() < 0.3:
+        scale *= rng.uniform(0.25, 2.0)
+    names = ["q", "k", "v"] if front_end == "jax" else ["q", "k", "v", "dout"]
+    if front_end in ("core", "core-jax"):
+        names += ["out", "lse", "dq", "dk", "dv"]
+    layouts = _layouts(rng, names, entry.varlen, front_end)
+    if front_end == "core-jax":  # JAX arrays are compact: only the (torch) outputs take layouts
+        layouts = [(n, kind) for n, kind in layouts if n in ("out", "lse", "dq", "dk", "dv")]
+    return Config(front_end, seed, entry, batch, nq, nk, heads_kv, scale, tuple(lens_q), tuple(lens_k),
+                  tuple(layouts), tuple(_options(rng, front_end, entry)))
+
+
+def env_settings() -> tuple[int, int, list[int] | None]:
+    """``(base seed, configurations per front end, only these seeds or None)`` from the environment."""
+    base = int(os.environ.get("XATTN_FUZZ_SEED", DEFAULT_SEED))
+    n = int(os.environ.get("XATTN_FUZZ_N", DEFAULT_N))
+    only = os.environ.get("XATTN_FUZZ_ONLY")
+    seeds = [int(s.strip().lstrip("s")) for s in only.split(",") if s.strip()] if only else None
+    return base, n, seeds
+
+
+def configs(front_end: str, n: int | None = None, base: int | None = None, only=None,
+            limits: Limits = GPU_LIMITS) -> list[Config]:
+    """The configurations of one front end: ``n`` seeded draws, or exactly the seeds in ``only``."""
+    env_base, env_n, env_only = env_settings()
+    base = env_base if base is None else base
+    n = env_n if n is None else n
+    only = env_only if only is None else only
+    seeds = list(only) if only else [config_seed(base, front_end, i) for i in range(n)]
+    out = [draw(front_end, s, limits) for s in seeds]
+    for cfg in out:
+        for spec in cfg.specs():
+            assert supports(spec) is None, f"{cfg.id}: pool entry not supported: {supports(spec)}"
+    return out

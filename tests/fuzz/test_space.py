@@ -1,0 +1,116 @@
+"""The fuzz generator on the CPU: a small, supported launcher pool; deterministic, seed-addressable draws
+that stay inside the pool and the size limits and cover every axis the fuzz promises."""
+
+import importlib.util
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from xattn.core.spec import FA4_HEAD_DIMS, supports
+
+from . import space
+from .space import FRONT_ENDS, GPU_LIMITS, POOL, config_seed, configs, draw, launcher_pool
+
+N = 300
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    return {fe: configs(fe, n=N, base=space.DEFAULT_SEED, only=[]) for fe in FRONT_ENDS}
+
+
+def test_pool_is_small_unique_and_supported():
+    pool = launcher_pool()
+    assert len(pool) == len(set(pool)) <= 60
+    assert [s.short_name() for s in pool if supports(s) is not None] == []
+
+
+def test_pool_covers_every_head_dim_dtype_gqa_and_mask():
+    fa4 = [e for e in POOL if e.family == "fa4"]
+    ffpa = [e for e in POOL if e.family == "ffpa"]
+    assert {(e.head_dim, e.head_dim_v) for e in fa4} == set(FA4_HEAD_DIMS)
+    assert {320, 384, 448, 512} <= {e.head_dim for e in ffpa}
+    for family in (fa4, ffpa):
+        assert {e.dtype for e in family} == {"bfloat16", "float16"}
+        assert {e.g for e in family} >= {1, 2, 4, 8}
+        assert {e.varlen for e in family} == {False, True}
+        assert {e.causal for e in family} == {False, True}
+    assert any(e.g not in (1, 2, 4, 8) for e in fa4)  # ratios that do not divide a tile
+    windows = {e.window for e in fa4 if e.window != (None, None)}
+    assert {(64, 0), (100, 37), (None, 128)} <= windows
+    assert any(e.varlen and e.window != (None, None) for e in fa4)
+
+
+def test_draws_are_deterministic_and_addressable_by_seed(drawn):
+    again = configs("torch", n=20, base=space.DEFAULT_SEED, only=[])
+    assert again == drawn["torch"][:20]
+    for cfg in drawn["core"][:20]:
+        assert draw("core", cfg.seed) == cfg
+        assert cfg.id.startswith(f"s{cfg.seed}-")
+    assert configs("core", n=5, base=1, only=[]) != configs("core", n=5, base=2, only=[])
+    seeds = [config_seed(space.DEFAULT_SEED, fe, i) for fe in FRONT_ENDS for i in range(N)]
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_environment_selects_seed_count_and_single_configurations(monkeypatch):
+    monkeypatch.setenv("XATTN_FUZZ_SEED", "5")
+    monkeypatch.setenv("XATTN_FUZZ_N", "7")
+    monkeypatch.delenv("XATTN_FUZZ_ONLY", raising=False)
+    cfgs = configs("jax")
+    assert [c.seed for c in cfgs] == [config_seed(5, "jax", i) for i in range(7)]
+    monkeypatch.setenv("XATTN_FUZZ_ONLY", f"s{cfgs[3].seed}, {cfgs[5].seed}")
+    assert configs("jax") == [cfgs[3], cfgs[5]]
+
+
+def test_every_configuration_is_in_the_pool_and_within_limits(drawn):
+    lim = GPU_LIMITS
+    for cfgs in drawn.values():
+        for c in cfgs:
+            assert c.entry in POOL and all(supports(s) is None for s in c.specs())
+            assert c.heads_q == c.entry.g * c.heads_kv <= lim.max_heads_q
+            assert c.total_q >= 1 and c.total_k >= 1 and c.scores() <= lim.max_scores
+            assert 1 <= c.seqlen_q <= lim.max_n and 1 <= c.seqlen_k <= lim.max_n and c.scale > 0
+            if c.varlen:
+                assert len(c.lens_q) == len(c.lens_k) == c.batch <= lim.max_docs
+                assert (c.seqlen_q, c.seqlen_k) == (max(c.lens_q), max(c.lens_k))
+            else:
+                assert 1 <= c.batch <= lim.max_batch and c.lens_q == c.lens_k == ()
+
+
+def test_300_draws_cover_every_axis(drawn):
+    for fe, cfgs in drawn.items():
+        assert {c.entry for c in cfgs} == set(POOL), fe
+        dense = [c for c in cfgs if not c.varlen]
+        varlen = [c for c in cfgs if c.varlen]
+        assert any(c.seqlen_q != c.seqlen_k for c in dense) and any(c.seqlen_q == c.seqlen_k for c in dense)
+        assert any(1 in (c.seqlen_q, c.seqlen_k) for c in dense)
+        assert any(c.seqlen_q > c.seqlen_k and c.entry.causal for c in dense)  # rows that see no key
+        assert sum(c.seqlen_q % 16 != 0 for c in dense) > len(dense) // 2  # not a multiple of any tile
+        assert {c.batch for c in dense} >= {1, 2, 3}
+        assert {c.heads_kv for c in cfgs} >= {1, 2}
+        assert any(0 in c.lens_q for c in varlen) and any(0 in c.lens_k for c in varlen)  # empty documents
+        assert any(1 in c.lens_q for c in varlen) and any(1 in c.lens_k for c in varlen)
+        assert any(len(c.lens_q) > 1 for c in varlen)
+        assert any(c.scale != 1 / math.sqrt(c.entry.head_dim) for c in cfgs)
+        kinds = Counter(kind.split(":")[0] for c in cfgs for _, kind in c.layouts)
+        expected = {"swapped"} if fe == "jax" else {"swapped", "padded", "wide"}
+        assert expected <= set(kinds), (fe, kinds)
+    assert any(c.opt("spelling") == "alt" for c in drawn["core"] + drawn["torch"])
+    assert {c.opt("stream") for c in drawn["core"]} == {"current", "explicit"}
+    assert {c.opt("outputs") for c in drawn["core-jax"]} == {"torch", "tvm_ffi"}
+    assert {c.opt("entry") for c in drawn["torch"]} == {"attention_with_lse", "flash_attn_func"}
+    assert {c.opt("max_seqlen") for c in drawn["torch"] if c.varlen} == {"exact", "loose"}
+    assert {c.opt("jit") for c in drawn["jax"]} == {False, True}
+    assert len({(c.batch, c.seqlen_q, c.seqlen_k) for c in drawn["jax"] if not c.varlen}) < 150  # shape buckets
+
+
+def test_prefill_script_lists_the_pool():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "prefill_gpu_cache.py"
+    spec = importlib.util.spec_from_file_location("prefill_gpu_cache", path)
+    prefill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prefill)
+    with_pool = set(prefill.specs(fuzz=True))
+    assert set(launcher_pool()) <= with_pool
+    assert with_pool - set(prefill.specs()) == set(launcher_pool()) - set(prefill.specs())

@@ -1,0 +1,111 @@
+"""The whole fuzz harness on the CPU, before any GPU time: every front end runs drawn configurations
+end to end with stand-in kernels (``tests/torch/stubs.py``: fp64 reference behind the core's
+destination-passing signature; ``tests/jax/numpy_launcher.py``: NumPy launchers behind XLA FFI), and
+kernels broken in the ways attention kernels break are caught by the verdict."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from tests.jax import numpy_launcher
+from tests.torch import stubs
+from xattn.jax import _ffi
+
+from . import harness, space
+from .results import Collector
+
+# fp16 entries for JAX: NumPy has no bfloat16 for the stand-in launcher to read.
+PICKS = {
+    "core": ["ffpa-d512x512-g8-causal-varlen-fp16", "fa4-d128x128-g2-wNone_128-dense-bf16",
+             "fa4-d96x96-g1-w100_37-varlen-bf16"],
+    "core-jax": ["ffpa-d336x336-g2-causal-dense-bf16", "fa4-d64x64-g8-w64_0-dense-bf16",
+                 "fa4-d192x128-g1-full-varlen-fp16"],
+    "torch": ["ffpa-d448x448-g4-full-varlen-fp16", "fa4-d192x128-g1-w64_0-dense-bf16",
+              "fa4-d64x64-g4-causal-varlen-fp16"],
+    "jax": ["ffpa-d512x512-g8-causal-varlen-fp16", "fa4-d96x96-g2-causal-dense-fp16",
+            "fa4-d256x256-g6-full-varlen-fp16"],
+}
+# Make each front end's rarer paths run here at least once.
+FORCED = {
+    "core": [("stream", "explicit")],
+    "core-jax": [("stream", "explicit"), ("outputs", "tvm_ffi")],
+    "torch": [("entry", "flash_attn_func"), ("spelling", "alt"), ("family", "explicit"), ("max_seqlen", "loose")],
+    "jax": [("jit", True)],
+}
+ENTRIES = {e.name: e for e in space.POOL}
+
+
+def _dlpack_inputs(fn):
+    """Stand-ins compute with torch: view JAX arrays / tvm_ffi tensors as torch tensors (no copy)."""
+    def run(*args, **kw):
+        def conv(x):
+            return torch.from_dlpack(x) if hasattr(x, "__dlpack__") and not isinstance(x, torch.Tensor) else x
+        kw = {n: ([conv(w) for w in x] if n == "workspace" else conv(x)) for n, x in kw.items()}
+        return fn(*map(conv, args), **kw)
+    return run
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    stubs.install(monkeypatch)
+    for fam in ("ffpa", "fa4"):
+        monkeypatch.setitem(harness.CORE, f"{fam}_fwd", _dlpack_inputs(stubs._stub_fwd(fam)))
+        monkeypatch.setitem(harness.CORE, f"{fam}_bwd", _dlpack_inputs(stubs._stub_bwd(fam)))
+    _ffi.set_launcher_provider(numpy_launcher.provider)
+    numpy_launcher.CALLS.clear()
+    yield
+    _ffi.set_launcher_provider(None)
+
+
+def _config(front_end, name, i):
+    cfg = space.draw(front_end, space.config_seed(1, front_end, i), space.CPU_LIMITS, pool=(ENTRIES[name],))
+    if i == 0:
+        cfg = dataclasses.replace(cfg, options=tuple({**dict(cfg.options), **dict(FORCED[front_end])}.items()))
+    return cfg
+
+
+@pytest.mark.parametrize("front_end", space.FRONT_ENDS)
+def test_every_front_end_runs_end_to_end_with_stand_in_kernels(front_end, standins, tmp_path):
+    collector = Collector(1, 3, kernels="stand-in")
+    for i, name in enumerate(PICKS[front_end]):
+        cfg = _config(front_end, name, i)
+        checks = harness.run_one(cfg, collector, "cpu")
+        assert [c.name for c in checks] == list(harness.QUANTITIES)
+        assert all(c.ok and c.ratio < 0.7 for c in checks), (cfg.describe(), checks)
+    calls = numpy_launcher.CALLS if front_end == "jax" else stubs.CALLS
+    assert len(calls) >= 6  # a forward and a backward per configuration reached the stand-in
+    (row,) = collector.write(tmp_path / "fuzz.json", device="cpu")["rows"]
+    assert (row["front_end"], row["configs"], row["passed"], row["failed"]) == (front_end, 3, 3, 0)
+
+
+def _broken_fwd(kind):
+    good = stubs._stub_fwd("fa4")
+
+    def run(q, k, v, out, lse, *, softmax_scale, causal, window_size=(None, None), **kw):
+        if kind == "scale":
+            softmax_scale *= 1.1
+        if kind == "top_left":  # causal aligned to the top-left corner instead of the bottom-right
+            causal, window_size = False, (None, q.shape[1] - k.shape[1])
+        if kind == "gqa":  # q head h paired with the wrong kv head
+            k, v = k.roll(1, dims=2), v.roll(1, dims=2)
+        good(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, window_size=window_size, **kw)
+        if kind == "unwritten":
+            out[:, -1] = float("nan")  # the last query row never stored
+        if kind == "log2":
+            lse.mul_(1 / math.log(2))
+    return run
+
+
+@pytest.mark.parametrize("kind, quantity", [("scale", "lse"), ("top_left", "out"), ("gqa", "out"),
+                                            ("unwritten", "out"), ("log2", "lse")])
+def test_broken_kernels_are_caught(kind, quantity, standins, monkeypatch):
+    monkeypatch.setitem(harness.CORE, "fa4_fwd", _broken_fwd(kind))
+    cfg = space.draw("core", 3, space.CPU_LIMITS, pool=(ENTRIES["fa4-d128x128-g4-causal-dense-bf16"],))
+    cfg = dataclasses.replace(cfg, batch=1, seqlen_q=24, seqlen_k=40, heads_kv=2, scale=0.125, layouts=())
+    collector = Collector(1, 1, kernels="stand-in")
+    with pytest.raises(AssertionError, match=rf"(?s){quantity}: err .*XATTN_FUZZ_ONLY={cfg.seed}"):
+        harness.run_one(cfg, collector, "cpu")
+    (row,) = collector.table("cpu")
+    assert row["failed"] == 1 and row["failing_seeds"] == [cfg.seed] and row["worst_err_over_tol"] != 0
