@@ -182,7 +182,7 @@ FWD = [
     case("huge-q-len-2^31", _expanded((1, BIG, 4, 512), (1, 8, 1, 512)), ValueError, "q:", "2147483648"),
     case("huge-rows-B*N", _expanded((65535, 32769, 4, 512), (65535, 8, 1, 512)), ValueError, "q:", "B * N"),
     case("huge-batch-70000", _expanded((70000, 1, 4, 512), (70000, 1, 1, 512)), ValueError, "q:", "batch 70000"),
-    case("huge-heads-65536", _expanded((1, 1, 65536, 512), (1, 1, 1, 512)), ValueError, "q:", "65536 heads"),
+    case("huge-heads-65536", _expanded((1, 1, 65536, 512), (1, 1, 1024, 512)), ValueError, "q:", "65536 heads"),
 ]
 
 VARLEN = [

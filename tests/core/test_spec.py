@@ -73,3 +73,14 @@ def test_target_name_is_deterministic_across_processes():
     here = KernelSpec("fa4", "bwd", "float16", 192, 128, 4, True, True).target_name()
     assert names == {here + "\n"}
     assert here.startswith("xattn_fa4_bwd_float16_d192x128_g4_causal_varlen_sm_90a_")
+
+
+def test_ffpa_gqa_ratio_must_divide_the_forward_tile():
+    """A ratio that does not divide the 64-row tile failed to COMPILE (SplitD asserts); refuse it by name."""
+    from xattn.core.spec import FFPA_FWD_TILE_M, KernelSpec, supports
+
+    for direction in ("fwd", "bwd"):
+        assert "GQA ratio must divide 64" in supports(KernelSpec("ffpa", direction, "float16", 448, 448, 3, False, True))
+        assert supports(KernelSpec("ffpa", direction, "bfloat16", 512, 512, 8, True, False)) is None
+    utils = pytest.importorskip("ffpa_attn.cute._utils")
+    assert FFPA_FWD_TILE_M == utils.SM90_FWD_TILE_M

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import xattn.jax as xj
-from tests.battery import case, raises
+from tests.battery import case, raises, unmarked
 from tests.reference import attention as ref_attention, rel_err, varlen_attention as ref_varlen
 from xattn.core.spec import canonical_mask
 from xattn.jax import _ffi
@@ -155,7 +155,7 @@ DENSE = [
     case("huge-q-len-2^31", _shapes((1, BIG, 4, 512), (1, 8, 1, 512)), ValueError, "q:", "2147483648"),
     case("huge-rows-B*N", _shapes((65535, 32769, 4, 512), (65535, 8, 1, 512)), ValueError, "q:", "B * N"),
     case("huge-batch-70000", _shapes((70000, 1, 4, 512), (70000, 1, 1, 512)), ValueError, "q:", "batch 70000"),
-    case("huge-heads-65536", _shapes((1, 1, 65536, 512), (1, 1, 1, 512)), ValueError, "q:", "65536 heads"),
+    case("huge-heads-65536", _shapes((1, 1, 65536, 512), (1, 1, 1024, 512)), ValueError, "q:", "65536 heads"),
     case("huge-fa4-backward-workspace", _shapes((1, 2 ** 23, 2, 256), (1, 64, 1, 256), fn="fa4", grad=True,
                                                 window_size=(63, 0)),
          ValueError, "workspace[dq_accum]", "32-bit"),
@@ -310,8 +310,8 @@ def test_jax(c, standin):
     run(c, "cpu")
 
 
-@pytest.mark.parametrize("c", [p for p in DENSE + DPA if p.values[0].error is None
-                               and ("zero" in p.id or "empty" in p.id)])
+@pytest.mark.parametrize("c", unmarked([p for p in DENSE + DPA if p.values[0].error is None
+                                        and ("zero" in p.id or "empty" in p.id)]))
 def test_empty_or_keyless_calls_launch_nothing(c, standin):
     """No kernel launch for B = 0, Nq = 0 or Nk = 0 (an empty CUDA grid is a launch error; FA4's
     dk/dv of a launch without query rows would stay unwritten): the front end writes 0 / -inf."""

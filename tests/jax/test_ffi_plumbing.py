@@ -166,3 +166,20 @@ def test_gpu_targets_are_registered_command_buffer_compatible(monkeypatch):
     q, k, v = _qkv(6, (1, 8, 2, 128), (1, 8, 2, 128))
     jax.make_jaxpr(lambda q, k, v: xj.flash_attention(q, k, v, causal=True, backend="kernel"))(q, k, v)
     assert seen and all(kw["allow_cuda_graph"] and kw["platform"] == "gpu" for kw in seen.values())
+
+
+def test_equivalent_mask_spellings_run_one_launcher():
+    """causal + (4, None) is the window (4, 0), and the window (None, 0) is causal: the same kernel as torch and
+    the core use (before: NotImplementedError, resp. a separate local-window launcher)."""
+    q, k, v = _qkv(7, (1, 12, 2, 128), (1, 12, 2, 128))
+    pairs = [(dict(causal=True, window_size=(4, None)), dict(causal=False, window_size=(4, 0))),
+             (dict(causal=False, window_size=(None, 0)), dict(causal=True))]
+    for a, b in pairs:
+        numpy_launcher.CALLS.clear()
+        out_a = xj.flash_attention(q, k, v, scale=0.1, backend="kernel", **a)
+        calls_a = list(numpy_launcher.CALLS)
+        numpy_launcher.CALLS.clear()
+        out_b = xj.flash_attention(q, k, v, scale=0.1, backend="kernel", **b)
+        assert calls_a == numpy_launcher.CALLS and np.array_equal(np.asarray(out_a), np.asarray(out_b))
+    names = {n for n in _ffi.registered_targets() if "w4_0" in n or "causal" in n}
+    assert not any("wNone_0" in n for n in _ffi.registered_targets()), names

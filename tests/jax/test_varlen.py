@@ -91,3 +91,27 @@ def test_varlen_input_checks():
     with pytest.raises(ValueError, match="rank 3"):
         varlen_attention(q[None], k, v, cu_q, cu_k, max_seqlen_q=9, max_seqlen_k=9)
     assert xj is not None
+
+
+@pytest.mark.parametrize("tq, tk", [(10, 0), (0, 14)], ids=["no-keys", "no-queries"])
+def test_kernel_path_launches_nothing_without_tokens(tq, tk):
+    """Tk = 0 (or Tq = 0): out 0 / lse -inf and zero gradients with no launch; on the H200 a varlen launch
+    with zero keys hit an illegal instruction that poisoned the process's CUDA context."""
+    _ffi.set_launcher_provider(numpy_launcher.provider)
+    numpy_launcher.CALLS.clear()
+    try:
+        ks = jax.random.split(jax.random.PRNGKey(3), 3)
+        q = jax.random.normal(ks[0], (tq, 8, 128), jnp.float16)
+        k, v = (jax.random.normal(kk, (tk, 2, 128), jnp.float16) for kk in ks[1:])
+        cu_q, cu_k = jnp.array([0, tq // 2, tq], jnp.int32), jnp.array([0, tk // 2, tk], jnp.int32)
+        f = lambda q, k, v: varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=tq, max_seqlen_k=tk,  # noqa: E731
+                                             family="fa4", causal=True, backend="kernel")
+        out, lse = xj.varlen_fwd(q, k, v, cu_q, cu_k, max_seqlen_q=tq, max_seqlen_k=tk, family="fa4", scale=0.1,
+                                 causal=True, backend="kernel")
+        grads = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+        assert numpy_launcher.CALLS == []
+        assert out.shape == (tq, 8, 128) and not np.asarray(out, np.float32).any()
+        assert np.all(np.asarray(lse) == -np.inf)
+        assert all(not np.asarray(g, np.float32).any() for g in grads)
+    finally:
+        _ffi.set_launcher_provider(None)

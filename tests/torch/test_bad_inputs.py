@@ -157,7 +157,7 @@ DENSE = [
     case("huge-rows-B*N", _expanded((65535, 32769, 8, 512), (65535, 8, 2, 512)), ValueError, "q:", "B * N"),
     case("huge-batch-70000", _expanded((70000, 1, 8, 512), (70000, 1, 2, 512)), ValueError, "q:", "batch 70000",
          "varlen"),
-    case("huge-heads-65536", _expanded((1, 1, 65536, 512), (1, 1, 1, 512)), ValueError, "q:", "65536 heads"),
+    case("huge-heads-65536", _expanded((1, 1, 65536, 512), (1, 1, 1024, 512)), ValueError, "q:", "65536 heads"),
 ]
 
 VARLEN = [

@@ -27,6 +27,7 @@ ARCHES = ("sm_90a",)
 FFPA_MIN_HEAD_DIM = 320
 FFPA_MAX_HEAD_DIM = 512
 FFPA_HEAD_DIM_MULTIPLE = 16
+FFPA_FWD_TILE_M = 64  # ffpa_attn.cute._utils.SM90_FWD_TILE_M; GQA heads are packed into it
 # FA4 sm90 has tuned tile configs for these (head_dim, head_dim_v) pairs.
 FA4_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
@@ -155,6 +156,9 @@ def _ffpa_reason(spec: KernelSpec) -> str | None:
                 f"{FFPA_HEAD_DIM_MULTIPLE}, got {d}")
     if spec.is_local:
         return "FFPA has no sliding-window kernel on sm90; use head_dim <= 256 (FA4) for local layers"
+    if FFPA_FWD_TILE_M % spec.qhead_per_kvhead:
+        return (f"FFPA's sm90 forward packs the {spec.qhead_per_kvhead} q heads per kv head into its "
+                f"{FFPA_FWD_TILE_M}-row tile, so the GQA ratio must divide {FFPA_FWD_TILE_M} (1, 2, 4, 8, ...)")
     return None
 
 

@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
 from xattn.core.checks import check_layout_sizes, check_sizes
-from xattn.core.spec import KernelSpec, supports
+from xattn.core.spec import KernelSpec, canonical_mask, supports
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
@@ -202,7 +202,8 @@ def _config(family, q, scale, causal, window, backend) -> Config:
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window_size: expected a (left, right) pair (None = unbounded), got {window!r}")
-    return Config(family, scale, causal, tuple(window), resolve_backend(backend))
+    causal, left, right = canonical_mask(causal, *window)  # one spelling per mask, as torch and the core
+    return Config(family, scale, causal, (left, right), resolve_backend(backend))
 
 
 def ffpa_attention(q, k, v, *, scale: float | None = None, causal: bool = False, backend: str = "auto"):

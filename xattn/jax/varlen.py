@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 
 from xattn.core import varlen_check as vc
+from xattn.core.spec import canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
@@ -97,6 +98,8 @@ def _fwd(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
         out, lse = attention_reference(q[None], k[None], v[None], scale=c.scale, mask=mask)
         return out[0], lse[0]
     spec = c.spec("fwd", q, k, v, varlen=True)
+    if q.shape[0] == 0 or k.shape[0] == 0:  # no query token, or no key in any segment: no launch
+        return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype), jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
     outs = [("out", (*q.shape[:2], v.shape[-1]), q.dtype), ("lse", (q.shape[1], q.shape[0]), "float32")]
     out, lse = _ffi.call(spec, [q, k, v, cu_q, cu_k], outs, [], c.scale, vmap_method="sequential")
     return out, lse
@@ -110,6 +113,8 @@ def _bwd(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):
                                         scale=c.scale, mask=mask)
         return tuple(g[0] for g in grads)
     spec = c.spec("bwd", q, k, v, varlen=True)
+    if q.shape[0] == 0 or k.shape[0] == 0:  # nothing was computed: every gradient is 0
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     ws = bwd_workspace_shapes(spec, cu_q.shape[0] - 1, cfg.max_seqlen_q, cfg.max_seqlen_k, q.shape[0],
                               k.shape[0], q.shape[1], k.shape[1])
     outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
@@ -144,7 +149,8 @@ def _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    base = Config(family, scale, causal, tuple(window), resolve_backend(backend))
+    causal, left, right = canonical_mask(causal, *tuple(window))  # one spelling per mask
+    base = Config(family, scale, causal, (left, right), resolve_backend(backend))
     return VarlenConfig(base, max_seqlen_q, max_seqlen_k)
 
 
