@@ -48,6 +48,11 @@ def gpu_cases(params):
     return [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.gpu]) for p in params if p.values[0].gpu]
 
 
+def unmarked(params):
+    """The same cases without the tally's marks, for other tests that reuse them (counted once)."""
+    return [pytest.param(*p.values, id=p.id) for p in params]
+
+
 def raises(exc, *words):
     """pytest.raises that also requires every word in the message (any order)."""
     return pytest.raises(exc, match="".join(rf"(?=[\s\S]*{re.escape(w)})" for w in words))
