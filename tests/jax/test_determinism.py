@@ -121,3 +121,16 @@ def test_bad_env_value_is_named(monkeypatch):
     monkeypatch.setenv("XATTN_DETERMINISTIC", "sometimes")
     with pytest.raises(ValueError, match="XATTN_DETERMINISTIC"):
         deterministic_mode()
+
+
+def test_turning_the_mode_on_after_a_trace_still_refuses(monkeypatch):
+    """A backward traced with the mode off is not reused once it is on (the GPU run caught this: the
+    custom_vjp's traced backward was cached on a config that did not hold the mode)."""
+    q, k, v = (jax.random.normal(kk, s, jnp.float16) for kk, s in zip(jax.random.split(jax.random.PRNGKey(4), 3),
+                                                                       ((1, 16, 4, 128), (1, 16, 1, 128), (1, 16, 1, 128))))
+    loss = lambda q, k, v: xj.flash_attention(q, k, v, causal=True, backend="kernel").astype(jnp.float32).sum()  # noqa: E731
+    monkeypatch.setenv("XATTN_DETERMINISTIC", "0")
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    monkeypatch.setenv("XATTN_DETERMINISTIC", "1")
+    with pytest.raises(RuntimeError, match="deterministic"):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)

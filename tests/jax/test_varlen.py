@@ -115,3 +115,16 @@ def test_kernel_path_launches_nothing_without_tokens(tq, tk):
         assert all(not np.asarray(g, np.float32).any() for g in grads)
     finally:
         _ffi.set_launcher_provider(None)
+
+
+def test_cu_seqlens_on_another_device_is_named(monkeypatch):
+    """On the H200, host-committed cu_seqlens moved the whole call to the CPU platform ("No FFI handler ...
+    Host"); now the argument is named. (One host device here: the placement is faked.)"""
+    from xattn.jax import varlen as vl
+
+    q = jnp.zeros((6, 2, 128), jnp.float16)
+    cu = jax.device_put(jnp.array([0, 6], jnp.int32), jax.devices()[0])  # committed, as device_put makes it
+    monkeypatch.setattr(vl, "_devices", lambda x: {"cuda:0"} if x is q else ({"cpu:0"} if x is cu else None))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: on \['cpu:0'\] but q is on \['cuda:0'\]"):
+        varlen_attention(q, q, q, cu, jnp.array([0, 6], jnp.int32), max_seqlen_q=6, max_seqlen_k=6, family="fa4",
+                         backend="reference")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from xattn.core.spec import KernelSpec, canonical_mask, supports
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
-from .determinism import check_backward
+from .determinism import check_backward, deterministic_mode
 from .reference import attention_reference, attention_reference_bwd
 
 __all__ = ["ffpa_attention", "flash_attention", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd"]
@@ -64,6 +64,9 @@ class Config:
     causal: bool = False
     window: tuple = (None, None)
     backend: str = "kernel"
+    # XATTN_DETERMINISTIC / XLA_FLAGS as read when the call was made; part of the key of every trace
+    # cache, so changing the mode retraces instead of reusing a backward traced under the old one
+    deterministic: str = field(default_factory=deterministic_mode)
 
     def __post_init__(self):
         object.__setattr__(self, "scale", static_scale(self.scale, 0))  # every route (nn, varlen, ring) too
@@ -85,7 +88,7 @@ class Config:
             raise NotImplementedError(reason)
         check_sizes(q.shape, k.shape, v.shape, varlen)  # the kernels' 32-bit indexing and CUDA grid limits
         if direction == "bwd":
-            check_backward(spec)  # XATTN_DETERMINISTIC: raise/warn for a nondeterministic backward
+            check_backward(spec, self.deterministic)  # XATTN_DETERMINISTIC: raise/warn for a nondeterministic backward
         return spec
 
 

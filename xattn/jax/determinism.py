@@ -4,8 +4,9 @@ Which launchers are nondeterministic is decided once, in :mod:`xattn.core.determ
 backward (fp32 reduce-add of dQ over key blocks and, under GQA, of dK/dV over a group's q heads).
 The forwards and the FFPA backward are bitwise reproducible.
 
-The mode, read each time a backward is traced (so set it before the first ``jax.grad`` trace;
-a jitted function already traced keeps what it saw):
+The mode is read when an xattn function is called (for a function under ``jax.jit``: when it is
+traced; a jitted function already traced keeps what it saw) and is part of the call's static
+config, so a new trace under another mode never reuses a backward traced under the old one:
 
 * ``XATTN_DETERMINISTIC=1`` (or ``true``/``on``): tracing such a backward raises ``RuntimeError``;
 * ``XATTN_DETERMINISTIC=warn``: it warns (``UserWarning``) and runs;
@@ -52,12 +53,12 @@ def deterministic_mode() -> str:
     return "raise" if _xla_flag_on(os.environ.get("XLA_FLAGS", "")) else "off"
 
 
-def check_backward(spec: KernelSpec) -> None:
-    """Raise or warn (per :func:`deterministic_mode`) when ``spec`` is a nondeterministic backward."""
+def check_backward(spec: KernelSpec, mode: str | None = None) -> None:
+    """Raise or warn (per ``mode``, default :func:`deterministic_mode`) when ``spec`` is a nondeterministic backward."""
     op = nondeterministic_op(spec)
     if op is None:
         return
-    mode = deterministic_mode()
+    mode = deterministic_mode() if mode is None else mode
     if mode == "off":
         return
     message = (f"{op} does not have a deterministic implementation, but deterministic mode is on "

@@ -154,11 +154,31 @@ def _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_
     return VarlenConfig(base, max_seqlen_q, max_seqlen_k)
 
 
+def _devices(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return x.devices()
+    return None  # NumPy, Python, or traced: placed by XLA with the rest
+
+
+def _check_same_devices(q, **others) -> None:
+    """Committed arrays on other devices than q (e.g. cu_seqlens on the host) would move the whole call
+    off the GPU (to a platform without the kernels): name them instead."""
+    where = _devices(q)
+    if where is None:
+        return
+    for name, x in others.items():
+        got = _devices(x)
+        if got is not None and got != where and getattr(x, "committed", True):
+            raise ValueError(f"{name}: on {sorted(map(str, got))} but q is on {sorted(map(str, where))}; "
+                             "put every input on q's device (jax.device_put)")
+
+
 def _checked_config(q, k, v, cu_q, cu_k, family, scale, causal, window, backend, max_seqlen_q, max_seqlen_k,
                     check_inputs):
     """The static checks and the config; then, in checked mode, the cu_seqlens values.
     Returns ``(cfg, cu_q, cu_k)``, the cu_seqlens to launch with."""
     _check(q, k, v, cu_q, cu_k)
+    _check_same_devices(q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     cfg = _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_k)
     if vc.checking(check_inputs):
         cu_q, cu_k = _check_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
