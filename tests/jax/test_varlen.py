@@ -128,3 +128,10 @@ def test_cu_seqlens_on_another_device_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"cu_seqlens_q: on \['cpu:0'\] but q is on \['cuda:0'\]"):
         varlen_attention(q, q, q, cu, jnp.array([0, 6], jnp.int32), max_seqlen_q=6, max_seqlen_k=6, family="fa4",
                          backend="reference")
+
+
+def test_string_scale_is_named():
+    q = jnp.zeros((6, 2, 128), jnp.float16)
+    cu = jnp.array([0, 6], jnp.int32)
+    with pytest.raises(TypeError, match="scale"):
+        varlen_attention(q, q, q, cu, cu, max_seqlen_q=6, max_seqlen_k=6, family="fa4", scale="0.1", backend="reference")

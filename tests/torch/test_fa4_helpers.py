@@ -230,3 +230,14 @@ def test_import_fa4_modules():
         fa4.import_fa4_modules("no_such_a", "json", "no_such_b")
     with pytest.raises(TypeError, match="names"):
         fa4.import_fa4_modules(["json"])
+
+
+def test_causal_fa4_attention_names_its_scale_parameter():
+    import torch
+
+    from xattn.torch.fa4 import causal_fa4_attention
+
+    q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^scale") as info:
+        causal_fa4_attention(q, q, q, scale=float("nan"))
+    assert "softmax_scale" not in str(info.value)

@@ -29,7 +29,6 @@ int32 dtype and the ``[S + 1]`` shapes are static and always checked.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -43,7 +42,7 @@ from xattn.core.spec import canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
-from .attention import RESIDUAL_NAMES, Config, resolve_backend
+from .attention import RESIDUAL_NAMES, Config, resolve_backend, static_scale
 from .reference import attention_reference, attention_reference_bwd, varlen_visible
 
 __all__ = ["varlen_attention", "varlen_fwd", "varlen_bwd", "segment_ids_to_cu_seqlens", "packed_attention"]
@@ -148,7 +147,7 @@ def _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_
             raise ValueError(f"{name}: expected a static non-negative int, got {value!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = static_scale(scale, q.shape[-1])  # TypeError/ValueError naming `scale`
     causal, left, right = canonical_mask(causal, *tuple(window))  # one spelling per mask
     base = Config(family, scale, causal, (left, right), resolve_backend(backend))
     return VarlenConfig(base, max_seqlen_q, max_seqlen_k)

@@ -230,8 +230,13 @@ def causal_fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if nq != nk:
         raise ValueError(f"key: {nk} positions (dim 2) != the query's {nq}; causal_fa4_attention needs queries and "
                          "keys of the same sequence (use document_causal_fa4_attention for a query shard)")
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
-                    causal=True, family="fa4")
+    try:
+        out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
+                        causal=True, family="fa4")
+    except (TypeError, ValueError) as exc:
+        if "softmax_scale" in str(exc):  # this function's parameter is `scale`: name it so
+            raise type(exc)(str(exc).replace("softmax_scale", "scale")) from None
+        raise
     return out.transpose(1, 2)
 
 
