@@ -52,7 +52,7 @@ class TorchGemms:
 class QuackGemms:
     """The four GEMM kinds on quack's sm90 GEMMs; the two elementwise steps fused into epilogues."""
 
-    def __init__(self, config=None, config_long=None):
+    def __init__(self, config=None, config_long=None, p32=False):
         from quack.epilogue.frontend import gemm_epilogue
         from quack.epilogue.ops import ColVecLoad, RowVecLoad, TileLoad, Scalar
         from quack.epilogue.math import pexp2
@@ -77,20 +77,44 @@ class QuackGemms:
         def ds(acc, p, delta, scale):
             return {"D": (acc - delta) * p * scale}
 
+        @gemm_epilogue(outputs=("p32",), ops={"rowbias": ColVecLoad("rowbias"), "rowpos": ColVecLoad("rowpos"),
+                                              "colpos": RowVecLoad("colpos"), "scale_log2": Scalar("scale_log2")})
+        def p_causal32(acc, rowbias, rowpos, colpos, scale_log2):
+            e = pexp2(acc * scale_log2 + rowbias - relu(colpos - rowpos) * penalty)
+            return {"D": e, "p32": e}
+
+        @gemm_epilogue(outputs=("p32",), ops={"rowbias": ColVecLoad("rowbias"), "scale_log2": Scalar("scale_log2")})
+        def p_full32(acc, rowbias, scale_log2):
+            e = pexp2(acc * scale_log2 + rowbias)
+            return {"D": e, "p32": e}
+
         self.p_causal, self.p_full, self.ds = p_causal, p_full, ds
+        self.p32 = p32
+        if p32:
+            self.p_causal, self.p_full = p_causal32, p_full32
+        self.p32_buf = None
 
     def _kw(self, long_k=False):
         cfg = self.config_long if long_k else self.config
         return {"config": cfg, "tuned": False} if cfg is not None else {"tuned": False}
 
     def scores_to_p(self, a, b, out, rowbias, rowpos, colpos, scale_log2, causal):
+        outs = {"D": out}
+        if self.p32:
+            n = out.numel() * 2 + 64
+            if self.p32_buf is None or self.p32_buf.numel() < n:
+                self.p32_buf = torch.empty(n, device=out.device, dtype=torch.float32)
+            outs["p32"] = self.p32_buf[: out.shape[0] * out.shape[1] * out.stride(1)].view(
+                out.shape[0], out.shape[1], out.stride(1))[:, :, : out.shape[2]]
         if causal:
-            self.p_causal(a, b, out={"D": out}, rowbias=rowbias, rowpos=rowpos, colpos=colpos,
+            self.p_causal(a, b, out=outs, rowbias=rowbias, rowpos=rowpos, colpos=colpos,
                           scale_log2=scale_log2, **self._kw())
         else:
-            self.p_full(a, b, out={"D": out}, rowbias=rowbias, scale_log2=scale_log2, **self._kw())
+            self.p_full(a, b, out=outs, rowbias=rowbias, scale_log2=scale_log2, **self._kw())
+        self.last_p32 = outs.get("p32")
 
     def dp_to_ds(self, a, b, out, p, delta, scale):
+        p = self.last_p32 if self.p32 else p
         self.ds(a, b, out={"D": out}, p=p, delta=delta, scale=scale, **self._kw())
 
     def add_into(self, a, b, acc):
@@ -135,19 +159,21 @@ def gemm_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal, gemms, budget_by
     deltap = vec_rows(delta, 0.0)
     pos = (torch.arange(Np, device=dev, dtype=torch.float32) + shift)
     rowpos = pos.view(C, 1, Mc).expand(C, g, Mc).reshape(1, C, g * Mc).expand(L, C, g * Mc).contiguous()
-    colpos = torch.arange(Nk, device=dev, dtype=torch.float32).expand(L, Nk).contiguous()
+    nk8 = -(-Nk // 8) * 8  # row strides of P, dS and colpos: 16-byte aligned for TMA
+    colpos = torch.arange(nk8, device=dev, dtype=torch.float32).expand(L, nk8).contiguous()
     dk_acc = torch.zeros(L, Nk, D, device=dev, dtype=torch.float32)
     dv_acc = torch.zeros_like(dk_acc)
     dqp = torch.zeros(L, C, g * Mc, D, device=dev, dtype=dt)
-    p_buf = torch.empty(L * g * Mc * Nk, device=dev, dtype=dt)
+    p_buf = torch.empty(L * g * Mc * nk8, device=dev, dtype=dt)
     ds_buf = torch.empty_like(p_buf)
     scale_log2 = softmax_scale * LOG2E
     for c in range(C):
         kend = min(Nk, (c + 1) * Mc + shift) if causal else Nk
         if kend <= 0:
             continue
-        p = p_buf[: L * g * Mc * kend].view(L, g * Mc, kend)
-        ds = ds_buf[: L * g * Mc * kend].view(L, g * Mc, kend)
+        k8 = -(-kend // 8) * 8
+        p = p_buf[: L * g * Mc * k8].view(L, g * Mc, k8)[:, :, :kend]
+        ds = ds_buf[: L * g * Mc * k8].view(L, g * Mc, k8)[:, :, :kend]
         gemms.scores_to_p(qp[:, c], kp[:, :kend].mT, p, rowbias[:, c], rowpos[:, c], colpos[:, :kend],
                           scale_log2, causal)
         gemms.dp_to_ds(dop[:, c], vp[:, :kend].mT, ds, p, deltap[:, c], softmax_scale)
@@ -210,29 +236,60 @@ def bench_gpu(out_path):
 
     results = []
     torch.manual_seed(0)
-    gemms = QuackGemms()
+    variants = {"p16": QuackGemms(), "p32": QuackGemms(p32=True)}
     # correctness: small, several blocks, GQA, Nq != Nk, N not a multiple of the tile
-    for (b, nq, nk, hq, hkv, causal) in [(1, 1000, 1000, 8, 2, True), (2, 777, 1200, 4, 4, False),
-                                         (1, 1200, 777, 8, 1, True)]:
-        d = 512
-        q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16)
-        dout = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16)
-        scale = d ** -0.5
-        o64, lse64, dq64, dk64, dv64 = reference(q, k, v, dout, scale, causal)
-        o, lse = ops.fwd(q, k, v, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-        ffpa = ops.bwd(dout, q, k, v, o, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-        mine = gemm_bwd(dout, q, k, v, o, lse, softmax_scale=scale, causal=causal, gemms=gemms, rows=256)
-        row = {"kind": "accuracy", "b": b, "nq": nq, "nk": nk, "hq": hq, "hkv": hkv, "causal": causal}
-        for name, x, r in zip(("dq", "dk", "dv"), mine, (dq64, dk64, dv64)):
-            row[f"{name}_err"] = max_err(x, r)
-        for name, x, r in zip(("dq", "dk", "dv"), ffpa, (dq64, dk64, dv64)):
-            row[f"{name}_err_ffpa"] = max_err(x, r)
-        print(row, flush=True)
-        results.append(row)
+    ratios = {name: [] for name in variants}
+    for seed in range(4):
+        for (b, nq, nk, hq, hkv, causal, dt) in [(1, 1000, 1000, 8, 2, True, torch.bfloat16),
+                                                 (2, 777, 1200, 4, 4, False, torch.bfloat16),
+                                                 (1, 1200, 777, 8, 1, True, torch.float16)]:
+            torch.manual_seed(seed)
+            d = 512
+            q = torch.randn(b, nq, hq, d, device="cuda", dtype=dt)
+            k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
+            v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
+            dout = torch.randn(b, nq, hq, d, device="cuda", dtype=dt)
+            scale = d ** -0.5
+            o64, lse64, dq64, dk64, dv64 = reference(q, k, v, dout, scale, causal)
+            o, lse = ops.fwd(q, k, v, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
+            ffpa = ops.bwd(dout, q, k, v, o, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
+            row = {"kind": "accuracy", "seed": seed, "b": b, "nq": nq, "nk": nk, "hq": hq, "hkv": hkv,
+                   "causal": causal, "dtype": str(dt)}
+            for name, x, r in zip(("dq", "dk", "dv"), ffpa, (dq64, dk64, dv64)):
+                row[f"{name}_err_ffpa"] = max_err(x, r)
+            for vname, gemms in variants.items():
+                mine = gemm_bwd(dout, q, k, v, o, lse, softmax_scale=scale, causal=causal, gemms=gemms, rows=256)
+                for name, x, r in zip(("dq", "dk", "dv"), mine, (dq64, dk64, dv64)):
+                    row[f"{name}_err_{vname}"] = max_err(x, r)
+                    ratios[vname].append(row[f"{name}_err_{vname}"] / row[f"{name}_err_ffpa"])
+            print(row, flush=True)
+            results.append(row)
+    for vname, r in ratios.items():
+        print(f"{vname}: err/ffpa_err max {max(r):.3f} mean {sum(r) / len(r):.3f}", flush=True)
+        results.append({"kind": "accuracy_summary", "variant": vname, "max_ratio": max(r),
+                        "mean_ratio": sum(r) / len(r)})
+    gemms = variants["p16"]
+    for (hq, hkv, causal) in [(32, 4, True), (16, 16, True)]:
+        for n in (1024, 2048, 4096):
+            b, d = 1, 512
+            q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+            dout = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)
+            scale = d ** -0.5
+            o, lse = ops.fwd(q, k, v, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
+            t_ffpa = tt.do_bench(lambda: ops.bwd(dout, q, k, v, o, lse, "ffpa", scale, causal, -1, -1,
+                                                 None, None, 0, 0), return_mode="median")
+            f = flops(b, hq, n, n, d, causal)
+            for vname, gm in variants.items():
+                t = tt.do_bench(lambda: gemm_bwd(dout, q, k, v, o, lse, softmax_scale=scale, causal=causal,
+                                                 gemms=gm), return_mode="median")
+                row = {"kind": "speed_small", "variant": vname, "n": n, "hq": hq, "hkv": hkv, "causal": causal,
+                       "ffpa_bwd_tflops": 2.5 * f / t_ffpa / 1e9, "gemm_bwd_tflops": 2.5 * f / t / 1e9}
+                print(row, flush=True)
+                results.append(row)
     for (hq, hkv, causal) in [(32, 4, True), (16, 16, False), (16, 16, True)]:
-        for n in (8192, 16384):
+        for n in (8192,):
             b, d = 1, 512
             q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -244,11 +301,11 @@ def bench_gpu(out_path):
                                 return_mode="median")
             t_ffpa = tt.do_bench(lambda: ops.bwd(dout, q, k, v, o, lse, "ffpa", scale, causal, -1, -1,
                                                  None, None, 0, 0), return_mode="median")
-            for budget in (1 << 29, 1 << 30, 1 << 31):
+            for budget, gemms in ((1 << 30, variants["p16"]), (1 << 30, variants["p32"])):
                 t = tt.do_bench(lambda: gemm_bwd(dout, q, k, v, o, lse, softmax_scale=scale, causal=causal,
                                                  gemms=gemms, budget_bytes=budget), return_mode="median")
                 f = flops(b, hq, n, n, d, causal)
-                row = {"kind": "speed", "n": n, "hq": hq, "hkv": hkv, "causal": causal,
+                row = {"kind": "speed", "variant": "p32" if gemms.p32 else "p16", "n": n, "hq": hq, "hkv": hkv, "causal": causal,
                        "budget_mib": budget >> 20, "rows": block_rows(b, hq, n, budget),
                        "fwd_ms": t_fwd, "ffpa_bwd_ms": t_ffpa, "gemm_bwd_ms": t,
                        "ffpa_bwd_tflops": 2.5 * f / t_ffpa / 1e9, "gemm_bwd_tflops": 2.5 * f / t / 1e9,
