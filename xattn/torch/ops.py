@@ -16,6 +16,7 @@ cu_seqlens values are trusted by the custom ops (the core is called with ``check
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor
 
 import xattn.core as xc
 from xattn.core.checks import _check_scale, check_attention, check_layout_sizes, check_sizes
+from xattn.core import gemm_bwd as _gemm_route
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -30,6 +32,7 @@ from .varlen_check import check_cu_seqlens, checking
 
 __all__ = ["fwd", "bwd", "attention_op"]
 
+_log = logging.getLogger("xattn")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _FWD = {"ffpa": xc.ffpa_fwd, "fa4": xc.fa4_fwd}
 _BWD = {"ffpa": xc.ffpa_bwd, "fa4": xc.fa4_bwd}
@@ -146,6 +149,8 @@ def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
     fills = spec.output_fill()
     no_rows = q.numel() == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
     no_keys = _no_keys(q, k, varlen)  # no launch either: dq is 0 (dk, dv are empty)
+    if not (no_rows or no_keys) and _bwd_route(spec, k, varlen).route == "gemm":
+        return _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal)
     grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows or no_keys else fills.get(n))
              for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
     if no_keys:
@@ -163,6 +168,23 @@ def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
     _BWD[family](dout, q, k, v, out, lse, *grads, workspace=ws,
                  **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return tuple(grads)
+
+
+def _bwd_route(spec: xc.KernelSpec, k: Tensor, varlen: bool) -> _gemm_route.RouteChoice:
+    """The backward this problem gets (:func:`xattn.core.gemm_bwd.choose`); logged at debug level."""
+    choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
+                                (spec.window_left, spec.window_right), varlen, 0 if varlen else k.shape[1])
+    _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
+    return choice
+
+
+def _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal):
+    """The chunked-GEMM backward (:mod:`xattn.torch.gemm_bwd`), after the core's input checks
+    (q, k, v stand in for the dq, dk, dv it allocates itself)."""
+    from .gemm_bwd import gemm_backward
+
+    check_attention(family, "bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), causal)
+    return gemm_backward(dout, q, k, v, out, lse, softmax_scale=_check_scale(softmax_scale), causal=causal)
 
 
 @torch.library.custom_op("xattn::bwd", mutates_args=())

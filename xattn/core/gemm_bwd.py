@@ -1,0 +1,176 @@
+"""The chunked-GEMM backward for FFPA head dims (320-512): route choice, block plan, memory bound.
+
+FFPA's fused backward holds dK, dV and dQ accumulators of a 512-wide head in one kernel and
+reaches ~230-250 TFLOP/s on the H200. This route runs the backward as large GEMMs instead,
+per block of ``rows`` query rows, with all ``g = Hq / Hkv`` query heads of a KV head stacked
+into the GEMM's M (``g * rows`` rows), batched over ``L = B * Hkv``:
+
+=====  ============================================  ==========================================
+step   GEMM (M x N x K)                               fused epilogue / output
+=====  ============================================  ==========================================
+1      ``S = Q Kᵀ``  (g·rows x kend x D)              ``P = exp2(S·scale·log2e − lse·log2e)``,
+                                                      masked → 0; P written bf16/fp16 AND fp32
+2      ``dP = dO Vᵀ`` (g·rows x kend x D)             ``dS = P32 ⊙ (dP − δ) · scale`` (16-bit)
+3      ``dV += Pᵀ dO`` (kend x D x g·rows)            fp32 accumulator (C = D)
+4      ``dK += dSᵀ Q`` (kend x D x g·rows)            fp32 accumulator
+5      ``dQ = dS K``   (g·rows x D x kend)            16-bit, once per block
+=====  ============================================  ==========================================
+
+``δ = rowsum(dO ⊙ O)`` (from the caller's out: merged out/lse of a ring work as they do for
+FFPA). ``kend`` is the block's causal key limit, so key blocks past the diagonal are never
+computed. dS is formed from the fp32 P: with the 16-bit P the gradient error vs fp64 reached
+1.86x FFPA's on the H200 (mean 1.13x), with the fp32 P it is 1.00x (mean 0.996x).
+
+This module is the framework-neutral part: which backward a problem gets (:func:`choose`),
+the blocks (:func:`plan`) and the memory they take (:func:`workspace_bytes`). The GEMMs are
+quack's sm90 CuTeDSL GEMMs with the epilogues of :mod:`xattn.core.gemm_bwd_epilogues`; the
+torch front end drives them (:mod:`xattn.torch.gemm_bwd`).
+
+Environment: ``XATTN_BWD_ROUTE`` = ``auto`` (default: the measured table below) / ``ffpa`` /
+``gemm`` (refuses a problem the route does not cover, never falls back silently);
+``XATTN_GEMM_BWD_BUDGET_MIB`` (default 2048) caps the per-block P/dS buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "choose", "plan", "workspace_bytes", "route_table"]
+
+ROUTES = ("auto", "ffpa", "gemm")
+DEFAULT_BUDGET_MIB = 2048
+BYTES_PER_SCORE = 8  # P (16-bit) + P (fp32) + dS (16-bit) per query-row x key element of a block
+MIN_BLOCK_ROWS = 64
+ROW_ALIGN = 8  # P / dS / colpos row strides are padded to 8 elements (16-byte TMA strides)
+
+# Measured on the H200 (benchmarks/results/gemm_bwd_proto_h200.json, bf16, d512, fwd from FFPA):
+# backward TFLOP/s, FFPA vs this route. The route wins from these key counts on.
+#   Hq32/Hkv4 causal: N 1k 85 vs 73, 2k 140 vs 161, 4k 188 vs 251, 8k 228 vs 364
+#   Hq16/Hkv16 causal: N 2k 183 vs 147, 4k 216 vs 196, 8k 235 vs 317; non-causal 8k 248 vs 436
+MIN_KEYS_BY_GROUP = ((8, 2048), (1, 8192))  # (min GQA group g, min Nk): first row with g >= its g
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """``route`` ("gemm" or "ffpa") and ``reason``, one line a user can read in a debug log."""
+
+    route: str
+    reason: str
+
+
+def _env_route() -> str:
+    route = os.environ.get("XATTN_BWD_ROUTE", "auto").strip().lower() or "auto"
+    if route not in ROUTES:
+        raise ValueError(f"XATTN_BWD_ROUTE={route!r}: expected one of {ROUTES}")
+    return route
+
+
+def budget_bytes() -> int:
+    raw = os.environ.get("XATTN_GEMM_BWD_BUDGET_MIB", str(DEFAULT_BUDGET_MIB))
+    try:
+        mib = int(raw)
+    except ValueError:
+        raise ValueError(f"XATTN_GEMM_BWD_BUDGET_MIB={raw!r} is not an integer") from None
+    if mib < 1:
+        raise ValueError(f"XATTN_GEMM_BWD_BUDGET_MIB={mib} must be >= 1")
+    return mib << 20
+
+
+def _uncovered(family, head_dim, head_dim_v, causal, window, varlen) -> str | None:
+    if family != "ffpa":
+        return f"the GEMM backward covers FFPA head dims (320-512); {family} keeps its own backward"
+    if head_dim != head_dim_v:
+        return "the GEMM backward needs equal q/k and v head dims"
+    if varlen:
+        return "varlen (packed) problems keep FFPA's backward: blocks would straddle documents"
+    if window is not None and any(w is not None and w >= 0 for w in window):
+        return "sliding windows keep FFPA's backward"
+    return None
+
+
+def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
+           window=(None, None), varlen: bool = False, seqlen_k: int = 0, route: str | None = None
+           ) -> RouteChoice:
+    """Pick the backward of one problem: ``"gemm"`` where the measured table says it is faster.
+
+    ``route`` overrides ``XATTN_BWD_ROUTE``; a forced ``"gemm"`` on a problem the route does not
+    cover raises ValueError (it never falls back silently).
+    """
+    route = _env_route() if route is None else route
+    if route not in ROUTES:
+        raise ValueError(f"backward route {route!r}: expected one of {ROUTES}")
+    why_not = _uncovered(family, head_dim, head_dim_v, causal, window, varlen)
+    if route == "gemm":
+        if why_not:
+            raise ValueError(f"XATTN_BWD_ROUTE=gemm: {why_not}")
+        return RouteChoice("gemm", "forced by XATTN_BWD_ROUTE=gemm")
+    if route == "ffpa" or family != "ffpa":
+        return RouteChoice(family, "forced by XATTN_BWD_ROUTE=ffpa" if route == "ffpa" else why_not)
+    if why_not:
+        return RouteChoice("ffpa", why_not)
+    min_keys = next(n for g, n in MIN_KEYS_BY_GROUP if qhead_per_kvhead >= g)
+    if seqlen_k < min_keys:
+        return RouteChoice("ffpa", f"Nk {seqlen_k} < {min_keys}: FFPA's fused backward is faster there "
+                                   f"(GQA group {qhead_per_kvhead}, measured on the H200)")
+    return RouteChoice("gemm", f"Nk {seqlen_k} >= {min_keys} at GQA group {qhead_per_kvhead}: "
+                               "chunked-GEMM backward (measured faster on the H200)")
+
+
+def route_table() -> list[str]:
+    """Human-readable lines of the route table, for ``python -m xattn info``."""
+    lines = [f"GQA group >= {g}: GEMM backward from Nk {n}" for g, n in MIN_KEYS_BY_GROUP]
+    lines.append(f"XATTN_BWD_ROUTE={os.environ.get('XATTN_BWD_ROUTE', 'auto')}, "
+                 f"block budget {os.environ.get('XATTN_GEMM_BWD_BUDGET_MIB', DEFAULT_BUDGET_MIB)} MiB")
+    return lines
+
+
+def _align(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+@dataclass(frozen=True)
+class GemmBwdPlan:
+    """Blocks of one backward: ``rows`` query rows each, ``blocks[c] = (row_start, kend)``."""
+
+    rows: int
+    num_blocks: int
+    padded_q: int
+    keys_stride: int
+    blocks: tuple
+
+
+def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
+         budget: int | None = None, rows: int | None = None) -> GemmBwdPlan:
+    """Block rows from the budget (P, fp32 P and dS of one block fit ``budget`` bytes) and each
+    block's key limit ``kend`` (bottom-right causal: row i sees keys ``j <= i + Nk - Nq``)."""
+    budget = budget_bytes() if budget is None else budget
+    keys_stride = _align(max(seqlen_k, 1), ROW_ALIGN)
+    if rows is None:
+        rows = budget // (BYTES_PER_SCORE * batch * heads_q * keys_stride)
+        rows = max(MIN_BLOCK_ROWS, rows // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS)
+        rows = min(rows, _align(max(seqlen_q, 1), MIN_BLOCK_ROWS))
+    num_blocks = -(-seqlen_q // rows)
+    shift = seqlen_k - seqlen_q
+    blocks = []
+    for c in range(num_blocks):
+        kend = min(seqlen_k, (c + 1) * rows + shift) if causal else seqlen_k
+        blocks.append((c * rows, max(kend, 0)))
+    return GemmBwdPlan(rows, num_blocks, num_blocks * rows, keys_stride, tuple(blocks))
+
+
+def workspace_bytes(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int,
+                    head_dim: int, causal: bool, budget: int | None = None, elem_bytes: int = 2) -> int:
+    """Upper bound of the scratch one backward allocates beyond its dq/dk/dv outputs.
+
+    ``8·B·Hq·rows·Nk8`` (P 16-bit + P fp32 + dS, one block) ``+ 8·B·Hkv·Nk·D`` (dK/dV fp32
+    accumulators) ``+ 3·elem·B·Hq·Nq_pad·D`` (row-permuted q, dout, dq) ``+ 20·B·Hq·Nq_pad``
+    (δ, lse, row positions) ``+ 4·B·Hkv·Nk8`` (key positions). ``rows`` comes from the budget,
+    so the first term is at most ``max(budget, 8·B·Hq·64·Nk8)``.
+    """
+    p = plan(batch, seqlen_q, seqlen_k, heads_q, causal, budget)
+    scores = BYTES_PER_SCORE * batch * heads_q * p.rows * p.keys_stride
+    acc = 8 * batch * heads_kv * seqlen_k * head_dim
+    rows_perm = 3 * elem_bytes * batch * heads_q * p.padded_q * head_dim
+    vectors = 20 * batch * heads_q * p.padded_q + 4 * batch * heads_kv * p.keys_stride
+    return scores + acc + rows_perm + vectors
