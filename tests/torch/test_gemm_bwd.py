@@ -39,3 +39,13 @@ def test_row_blocks_round_trip():
     back = torch.empty_like(x)
     gb._blocks_to_rows(xp, back, 64)
     assert torch.equal(back, x)
+
+
+@pytest.mark.parametrize("g", [1, 4])
+def test_row_vectors_are_row_contiguous_without_padding(g):
+    """delta arrives transposed ([B, Hq, N] view of [B, N, Hq]); with no padding to copy it and
+    g == 1 a reshape would keep its strides, which quack's TMA refuses (a stride-1 batch mode)."""
+    x = torch.randn(1, 128, 2 * g).transpose(1, 2)
+    xp = gb._vec_to_blocks(x, 2, 64, 128, 0.0)
+    assert xp.shape == (2, 2, g * 64) and xp.is_contiguous()
+    assert torch.equal(xp.view(1, 2, 2, g, 64).permute(0, 1, 3, 2, 4).reshape(1, 2 * g, 128), x)

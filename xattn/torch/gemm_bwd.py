@@ -113,8 +113,10 @@ def _vec_to_blocks(x: Tensor, hkv: int, rows: int, padded: int, fill: float) -> 
     """``[B, Hq, N]`` fp32 -> ``[B*Hkv, C, g*rows]`` (padded rows hold ``fill``)."""
     b, hq, n = x.shape
     g, c = hq // hkv, padded // rows
-    x = torch.nn.functional.pad(x, (0, padded - n), value=fill)
-    return x.view(b, hkv, g, c, rows).permute(0, 1, 3, 2, 4).reshape(b * hkv, c, g * rows)
+    x = torch.nn.functional.pad(x, (0, padded - n), value=fill)  # may be x itself (no padding): any strides
+    out = torch.empty(b, hkv, c, g, rows, device=x.device, dtype=x.dtype)  # row-contiguous, as TMA needs
+    out.copy_(x.reshape(b, hkv, g, c, rows).permute(0, 1, 3, 2, 4))
+    return out.view(b * hkv, c, g * rows)
 
 
 def _delta(dout: Tensor, out: Tensor) -> Tensor:
