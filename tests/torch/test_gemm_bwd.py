@@ -35,7 +35,9 @@ def test_row_blocks_round_trip():
     x = torch.randn(2, 150, 6, 8)
     xp = gb._rows_to_blocks(x, 2, 64, 192)
     assert xp.shape == (4, 3, 3 * 64, 8)
-    assert xp.view(2, 2, 3, 3, 64, 8)[:, :, 2, :, 150 - 128:].abs().sum() == 0  # padded rows are zero
+    x6 = xp.view(2, 2, 3, 64, 3, 8)  # [B, Hkv, block, row, head in group, D]
+    assert x6[:, :, 2, 150 - 128:].abs().sum() == 0  # padded rows are zero
+    assert torch.equal(x6[1, 1, 0, 5, 2], x[1, 5, 1 * 3 + 2])  # row 5 of head 5 = kv head 1, 3rd of its group
     back = torch.empty_like(x)
     gb._blocks_to_rows(xp, back, 64)
     assert torch.equal(back, x)
@@ -48,4 +50,4 @@ def test_row_vectors_are_row_contiguous_without_padding(g):
     x = torch.randn(1, 128, 2 * g).transpose(1, 2)
     xp = gb._vec_to_blocks(x, 2, 64, 128, 0.0)
     assert xp.shape == (2, 2, g * 64) and xp.is_contiguous()
-    assert torch.equal(xp.view(1, 2, 2, g, 64).permute(0, 1, 3, 2, 4).reshape(1, 2 * g, 128), x)
+    assert torch.equal(xp.view(1, 2, 2, 64, g).permute(0, 1, 4, 2, 3).reshape(1, 2 * g, 128), x)

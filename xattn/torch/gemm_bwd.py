@@ -44,6 +44,9 @@ class QuackGemms:
     def add_into(self, a, b, acc):
         self._gi.gemm_add_inplace(a, b, acc, tuned=False)
 
+    def add_to(self, a, b, c, out):
+        self._gi.gemm_add(a, b, c, out=out, tuned=False)
+
     def mm(self, a, b, out):
         self._gi.gemm_out(a, b, out, tuned=False)
 
@@ -66,6 +69,9 @@ class TorchGemms:
     def add_into(self, a, b, acc):
         acc.add_(torch.matmul(a.float(), b.float()))
 
+    def add_to(self, a, b, c, out):
+        out.copy_(torch.matmul(a.float(), b.float()) + c)
+
     def mm(self, a, b, out):
         out.copy_(torch.matmul(a.float(), b.float()))
 
@@ -81,18 +87,19 @@ def _quack() -> QuackGemms:
 
 
 def _rows_to_blocks(x: Tensor, hkv: int, rows: int, padded: int) -> Tensor:
-    """``[B, N, Hq, D]`` -> ``[B*Hkv, C, g*rows, D]``: one copy; padded rows are zero."""
+    """``[B, N, Hq, D]`` -> ``[B*Hkv, C, rows*g, D]``, GEMM row ``r*g + i`` = query row r of head
+    ``kv*g + i`` (a group's heads stay one contiguous ``g*D`` run: a fast copy). Padded rows are zero."""
     b, n, hq, d = x.shape
     g, c = hq // hkv, padded // rows
-    out = torch.empty(b, hkv, c, g, rows, d, device=x.device, dtype=x.dtype)
+    out = torch.empty(b, hkv, c, rows, g * d, device=x.device, dtype=x.dtype)
     full = n // rows
     if full:
-        out[:, :, :full].copy_(x[:, : full * rows].view(b, full, rows, hkv, g, d).permute(0, 3, 1, 4, 2, 5))
+        out[:, :, :full].copy_(x[:, : full * rows].view(b, full, rows, hkv, g * d).permute(0, 3, 1, 2, 4))
     if n > full * rows:
         rest = n - full * rows
-        out[:, :, full, :, :rest].copy_(x[:, full * rows:].view(b, rest, hkv, g, d).permute(0, 2, 3, 1, 4))
-        out[:, :, full, :, rest:].zero_()
-    return out.view(b * hkv, c, g * rows, d)
+        out[:, :, full, :rest].copy_(x[:, full * rows:].view(b, rest, hkv, g * d).transpose(1, 2))
+        out[:, :, full, rest:].zero_()
+    return out.view(b * hkv, c, rows * g, d)
 
 
 def _blocks_to_rows(xp: Tensor, out: Tensor, rows: int) -> None:
@@ -100,23 +107,24 @@ def _blocks_to_rows(xp: Tensor, out: Tensor, rows: int) -> None:
     b, n, hq, d = out.shape
     hkv = xp.shape[0] // b
     g, c = hq // hkv, xp.shape[1]
-    x6 = xp.view(b, hkv, c, g, rows, d)
+    x5 = xp.view(b, hkv, c, rows, g * d)
     full = n // rows
     if full:
-        out[:, : full * rows].view(b, full, rows, hkv, g, d).copy_(x6[:, :, :full].permute(0, 2, 4, 1, 3, 5))
+        out[:, : full * rows].view(b, full, rows, hkv, g * d).copy_(x5[:, :, :full].permute(0, 2, 3, 1, 4))
     if n > full * rows:
         rest = n - full * rows
-        out[:, full * rows:].view(b, rest, hkv, g, d).copy_(x6[:, :, full, :, :rest].permute(0, 3, 1, 2, 4))
+        out[:, full * rows:].view(b, rest, hkv, g * d).copy_(x5[:, :, full, :rest].transpose(1, 2))
 
 
 def _vec_to_blocks(x: Tensor, hkv: int, rows: int, padded: int, fill: float) -> Tensor:
-    """``[B, Hq, N]`` fp32 -> ``[B*Hkv, C, g*rows]`` (padded rows hold ``fill``)."""
+    """``[B, Hq, N]`` fp32 -> ``[B*Hkv, C, rows*g]`` in :func:`_rows_to_blocks`' row order
+    (padded rows hold ``fill``); always row-contiguous, as quack's TMA needs."""
     b, hq, n = x.shape
     g, c = hq // hkv, padded // rows
     x = torch.nn.functional.pad(x, (0, padded - n), value=fill)  # may be x itself (no padding): any strides
-    out = torch.empty(b, hkv, c, g, rows, device=x.device, dtype=x.dtype)  # row-contiguous, as TMA needs
-    out.copy_(x.reshape(b, hkv, g, c, rows).permute(0, 1, 3, 2, 4))
-    return out.view(b * hkv, c, g * rows)
+    out = torch.empty(b, hkv, c, rows, g, device=x.device, dtype=x.dtype)
+    out.copy_(x.reshape(b, hkv, g, c, rows).permute(0, 1, 3, 4, 2))
+    return out.view(b * hkv, c, rows * g)
 
 
 def _delta(dout: Tensor, out: Tensor) -> Tensor:
@@ -155,32 +163,43 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     rowbias = _vec_to_blocks(torch.where(torch.isfinite(lse), lse * -LOG2E, -math.inf), Hkv, R, Np, -math.inf)
     delta = _vec_to_blocks(_delta(dout, out), Hkv, R, Np, 0.0)
     pos = torch.arange(Np, device=dev, dtype=torch.float32) + shift
-    rowpos = pos.view(1, C, 1, R).expand(L, C, g, R).reshape(L, C, g * R)
+    rowpos = pos.view(1, C, R, 1).expand(L, C, R, g).reshape(L, C, R * g)
     colpos = torch.arange(nk8, device=dev, dtype=torch.float32).expand(L, nk8).contiguous()
-    dk_acc = torch.zeros(L, Nk, D, device=dev, dtype=torch.float32)
-    dv_acc = torch.zeros_like(dk_acc)
-    dqp = torch.zeros(L, C, g * R, D, device=dev, dtype=dt)
+    if C > 1:  # fp32 accumulators of dk/dv over the blocks (one block writes dk/dv directly)
+        dk_acc = torch.zeros(L, Nk, D, device=dev, dtype=torch.float32)
+        dv_acc = torch.zeros_like(dk_acc)
+    dqp = torch.empty(L, C, g * R, D, device=dev, dtype=dt)
     n_scores = L * g * R * nk8
     p_buf = torch.empty(n_scores, device=dev, dtype=dt)
     ds_buf = torch.empty(n_scores, device=dev, dtype=dt)
     p32_buf = torch.empty(n_scores, device=dev, dtype=torch.float32)
+    dk = torch.empty(B, Nk, Hkv, D, device=dev, dtype=dt)
+    dv = torch.empty_like(dk)
     scale_log2 = softmax_scale * LOG2E
+    assert p.blocks[-1][1] == Nk  # the last block's rows reach the last key (causal bottom-right too)
     for c, (_, kend) in enumerate(p.blocks):
         if kend <= 0:
-            continue  # every row of the block is before the first key: dq stays 0
+            dqp[:, c].zero_()  # every row of the block is before the first key
+            continue
         k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
         view = lambda buf: buf[: L * g * R * k8].view(L, g * R, k8)[:, :, :kend]  # noqa: E731
         pb, dsb, p32 = view(p_buf), view(ds_buf), view(p32_buf)
         gemms.probs(qp[:, c], kp[:, :kend].mT, pb, p32, rowbias[:, c], rowpos[:, c], colpos[:, :kend],
                     scale_log2, causal)
         gemms.grad_scores(dop[:, c], vp[:, :kend].mT, dsb, p32, delta[:, c], softmax_scale)
-        gemms.add_into(pb.mT, dop[:, c], dv_acc[:, :kend])
-        gemms.add_into(dsb.mT, qp[:, c], dk_acc[:, :kend])
+        if c < C - 1:
+            gemms.add_into(pb.mT, dop[:, c], dv_acc[:, :kend])
+            gemms.add_into(dsb.mT, qp[:, c], dk_acc[:, :kend])
+        else:  # the last block sees every key (kend == Nk): it writes dk/dv in their final layout
+            for b in range(B):
+                ls = slice(b * Hkv, (b + 1) * Hkv)
+                if C > 1:
+                    gemms.add_to(pb[ls].mT, dop[ls, c], dv_acc[ls], dv[b].transpose(0, 1))
+                    gemms.add_to(dsb[ls].mT, qp[ls, c], dk_acc[ls], dk[b].transpose(0, 1))
+                else:
+                    gemms.mm(pb[ls].mT, dop[ls, c], dv[b].transpose(0, 1))
+                    gemms.mm(dsb[ls].mT, qp[ls, c], dk[b].transpose(0, 1))
         gemms.mm(dsb, kp[:, :kend], dqp[:, c])
     dq = torch.empty(B, Nq, Hq, D, device=dev, dtype=dt)
     _blocks_to_rows(dqp, dq, R)
-    dk = torch.empty(B, Nk, Hkv, D, device=dev, dtype=dt)
-    dv = torch.empty_like(dk)
-    dk.copy_(dk_acc.view(B, Hkv, Nk, D).transpose(1, 2))
-    dv.copy_(dv_acc.view(B, Hkv, Nk, D).transpose(1, 2))
     return dq, dk, dv
