@@ -120,8 +120,7 @@ def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, c
 def route_table() -> list[str]:
     """Human-readable lines of the route table, for ``python -m xattn info``."""
     lines = [f"GQA group >= {g}: GEMM backward from Nk {n}" for g, n in MIN_KEYS_BY_GROUP]
-    lines.append(f"XATTN_BWD_ROUTE={os.environ.get('XATTN_BWD_ROUTE', 'auto')}, "
-                 f"block budget {os.environ.get('XATTN_GEMM_BWD_BUDGET_MIB', DEFAULT_BUDGET_MIB)} MiB")
+    lines.append(f"XATTN_BWD_ROUTE={_env_route()}, block budget {budget_bytes() >> 20} MiB")
     return lines
 
 

@@ -56,7 +56,17 @@ def collect() -> dict:
         "target_arch": target_arch(),
         "families": families,
         "disk_cache": _cache_state(),
+        "d512_backward": _bwd_routes(),
     }
+
+
+def _bwd_routes() -> list[str]:
+    from . import gemm_bwd
+
+    try:
+        return gemm_bwd.route_table()
+    except ValueError as e:  # a bad XATTN_BWD_ROUTE / budget: say so instead of failing info
+        return [str(e)]
 
 
 def _cache_state() -> dict:
@@ -84,4 +94,5 @@ def report(data: dict | None = None) -> str:
         comp = "yes" if st["can_compile"] else f"no - {st['why_not_compile']}"
         lines.append(f"{fam:5s} run here: {run}")
         lines.append(f"{'':5s} compile here: {comp}")
+    lines += [f"d512 backward: {x}" for x in d.get("d512_backward", [])]
     return "\n".join(lines)
