@@ -8,6 +8,7 @@ Hq16/Hkv16 non-causal, Hq16/Hkv16 causal; bf16 and fp16. Per (shape, N, dtype, r
 ``backward()`` through autograd), TFLOP/s with the FlashAttention convention (fwd 4·B·Hq·N²·D,
 causal half; bwd 2.5x, fwd+bwd 3.5x), and the backward's peak memory beyond its inputs
 (``extra_gib``: max allocated during the call minus allocated before it, outputs included).
+JAX (``--frameworks``): ``xattn.jax.ffpa_attention`` fwd+bwd under ``jax.jit(jax.grad)``, both routes.
 The route is forced with ``XATTN_BWD_ROUTE``. Timing: ``triton.testing.do_bench`` medians.
 """
 
@@ -18,6 +19,8 @@ import json
 import os
 import sys
 import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 
 import torch
 
@@ -72,9 +75,29 @@ def measure(hq, hkv, causal, n, dtype, route) -> list[dict]:
             dict(base, **{"pass": "fwd+bwd", "ms": round(t_all, 4), "tflops": round(3.5 * f / t_all / 1e9, 1)})]
 
 
+def measure_jax(hq, hkv, causal, n, dtype, route) -> list[dict]:
+    """fwd+bwd of ``xattn.jax.ffpa_attention`` under ``jax.jit(jax.grad(...))`` (the JAX stopwatch of
+    benchmarks/full.py); the route is read when the function is traced."""
+    import jax
+
+    import benchmarks.full as full
+
+    os.environ["XATTN_BWD_ROUTE"] = route
+    full.DTYPE = dtype  # of the inputs jax_callable makes
+    fn, args = full.jax_callable("xattn.jax", 512, hq, hkv, n, causal, "fwd+bwd")
+    ms = full.time_jax(fn, *args)
+    del fn, args
+    jax.clear_caches()
+    f = flops(1, hq, n, n, 512, causal, "fwd")
+    return [dict(method="xattn.jax", route=route, heads_q=hq, heads_kv=hkv, causal=causal, seqlen=n, dtype=dtype,
+                 head_dim=512, device=torch.cuda.get_device_name(), target_fwd_bwd_tflops=TARGETS[(hq, hkv, causal)],
+                 **{"pass": "fwd+bwd", "ms": round(ms, 4), "tflops": round(3.5 * f / ms / 1e9, 1)})]
+
+
 def markdown(rows) -> str:
     lines = ["| shape | N | dtype | FFPA bwd | GEMM bwd | fwd+bwd FFPA | fwd+bwd GEMM | target | GEMM bwd extra GiB |",
              "|---|---|---|---|---|---|---|---|---|"]
+    rows = [r for r in rows if r["method"] == "xattn.torch"]
     key = lambda r: (r["heads_q"], r["heads_kv"], r["causal"], r["seqlen"], r["dtype"])  # noqa: E731
     for k in dict.fromkeys(key(r) for r in rows):
         get = {(r["route"], r["pass"]): r for r in rows if key(r) == k}
@@ -88,26 +111,45 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def markdown_jax(rows) -> str:
+    lines = ["| shape | N | dtype | fwd+bwd FFPA bwd | fwd+bwd GEMM bwd | target |", "|---|---|---|---|---|---|"]
+    get = {(r["heads_q"], r["heads_kv"], r["causal"], r["seqlen"], r["dtype"], r["route"]): r
+           for r in rows if r["method"] == "xattn.jax"}
+    for (hq, hkv, causal, n, dt, route), r in get.items():
+        other = get.get((hq, hkv, causal, n, dt, "ffpa"))
+        if route != "gemm" or other is None:
+            continue
+        lines.append(f"| Hq{hq}/Hkv{hkv} {'causal' if causal else 'non-causal'} | {n} | {dt} | {other['tflops']} | "
+                     f"**{r['tflops']}** | >= {r['target_fwd_bwd_tflops']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="8192,16384")
     ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--frameworks", default="torch,jax")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     rows = []
+    frameworks = args.frameworks.split(",")
     for hq, hkv, causal in SHAPES:
         for n in (int(x) for x in args.seqlens.split(",")):
             for dt in args.dtypes.split(","):
                 for route in ("ffpa", "gemm"):
-                    got = measure(hq, hkv, causal, n, getattr(torch, dt), route)
+                    got = measure(hq, hkv, causal, n, getattr(torch, dt), route) if "torch" in frameworks else []
+                    if "jax" in frameworks:
+                        got += measure_jax(hq, hkv, causal, n, dt, route)
                     for r in got:
-                        log(f"{route} Hq{hq}/Hkv{hkv} causal={causal} N{n} {dt} {r['pass']}: {r['tflops']} TFLOP/s")
+                        log(f"{r['method']} {route} Hq{hq}/Hkv{hkv} causal={causal} N{n} {dt} {r['pass']}: "
+                            f"{r['tflops']} TFLOP/s")
                     rows += got
                     torch.cuda.empty_cache()
                     if args.out:
                         with open(args.out, "w") as f:
                             json.dump({"rows": rows}, f, indent=1)
     print(markdown(rows))
+    print(markdown_jax(rows))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,18 @@ SHIPPED = [
 ]
 
 
+def _gemm(kind, dtype="bfloat16", d32=False):
+    from xattn.core.gemm_sm90 import GemmSpec
+
+    spec = GemmSpec(kind, dtype, d32)
+    return pytest.param(spec, id=spec.short_name())
+
+
+# The chunked-GEMM d512 backward (xattn.core.gemm_sm90): every launcher kind, both dtypes of one.
+SHIPPED += [_gemm(k) for k in ("probs_causal", "probs_full", "grad_scores", "mm_dq", "mm_kv")]
+SHIPPED += [_gemm("acc", d32=True), _gemm("acc"), _gemm("probs_causal", "float16"), _gemm("acc", "float16", True)]
+
+
 @pytest.mark.parametrize("spec", SHIPPED)
 def test_launcher_compiles_for_sm90(spec):
     cache.set_compiler(None)

@@ -45,6 +45,9 @@ def _default_compiler(spec: KernelSpec):
     from .symbolic import check_dsl_arch  # importing it pins the DSL target first
 
     check_dsl_arch(spec.arch)
+    if not isinstance(spec, KernelSpec):  # a GEMM of the chunked backward (xattn.core.gemm_sm90.GemmSpec)
+        from .gemm_sm90 import compile_gemm
+        return compile_gemm(spec)
     if spec.family == "ffpa":
         from .ffpa_sm90 import compile_ffpa
         return compile_ffpa(spec)
@@ -59,11 +62,12 @@ def set_compiler(fn: Callable[[KernelSpec], Any] | None) -> None:
 
 
 def get_launcher(spec: KernelSpec) -> Launcher:
-    """Return the launcher for ``spec``, compiling it on first use."""
+    """Return the launcher for ``spec`` (a KernelSpec, or a GemmSpec of the chunked backward),
+    compiling it on first use."""
     entry = _entries.get(spec)
     if entry is not None:
         return entry
-    reason = supports(spec)
+    reason = supports(spec) if isinstance(spec, KernelSpec) else None
     if reason is not None:
         raise NotImplementedError(reason)
     with _lock:

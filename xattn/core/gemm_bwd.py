@@ -36,7 +36,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "choose", "plan", "workspace_bytes", "route_table"]
+__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "choose", "plan", "workspace_bytes", "route_table", "env_route",
+           "budget_bytes"]
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
@@ -59,7 +60,8 @@ class RouteChoice:
     reason: str
 
 
-def _env_route() -> str:
+def env_route() -> str:
+    """``XATTN_BWD_ROUTE``, validated."""
     route = os.environ.get("XATTN_BWD_ROUTE", "auto").strip().lower() or "auto"
     if route not in ROUTES:
         raise ValueError(f"XATTN_BWD_ROUTE={route!r}: expected one of {ROUTES}")
@@ -97,7 +99,7 @@ def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, c
     ``route`` overrides ``XATTN_BWD_ROUTE``; a forced ``"gemm"`` on a problem the route does not
     cover raises ValueError (it never falls back silently).
     """
-    route = _env_route() if route is None else route
+    route = env_route() if route is None else route
     if route not in ROUTES:
         raise ValueError(f"backward route {route!r}: expected one of {ROUTES}")
     why_not = _uncovered(family, head_dim, head_dim_v, causal, window, varlen)
@@ -120,7 +122,7 @@ def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, c
 def route_table() -> list[str]:
     """Human-readable lines of the route table, for ``python -m xattn info``."""
     lines = [f"GQA group >= {g}: GEMM backward from Nk {n}" for g, n in MIN_KEYS_BY_GROUP]
-    lines.append(f"XATTN_BWD_ROUTE={_env_route()}, block budget {budget_bytes() >> 20} MiB")
+    lines.append(f"XATTN_BWD_ROUTE={env_route()}, block budget {budget_bytes() >> 20} MiB")
     return lines
 
 

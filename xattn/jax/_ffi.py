@@ -30,7 +30,7 @@ import numpy as np
 
 from xattn.core.spec import KernelSpec
 
-__all__ = ["call", "set_launcher_provider", "registered_targets", "check_pairing"]
+__all__ = ["call", "call_gemm", "set_launcher_provider", "registered_targets", "check_pairing"]
 
 _lock = threading.Lock()
 _registered: dict[str, object] = {}  # target name -> function (kept alive)
@@ -148,3 +148,29 @@ def call(spec: KernelSpec, inputs, outputs, workspace, softmax_scale: float, vma
     else:
         res = jax.ffi.ffi_call(_target(spec, False), result, **kw)(*inputs, softmax_scale=scale)
     return _match_varying(res[: len(outputs)], inputs)
+
+
+def _gemm_target(spec, attr_names: tuple) -> str:
+    function, platform = (_provider or _default_provider)(spec)
+    name = f"{spec.target_name()}_{platform}"
+    if name in _registered:
+        return name
+    with _lock:
+        if name not in _registered:
+            arg_spec = ["args", "rets", *(f"attrs.{a}" for a in attr_names)]
+            _jax_tvm_ffi().register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
+                                               allow_cuda_graph=platform == "gpu",
+                                               pass_owned_tensor=platform == "cpu")
+            _registered[name] = function
+    return name
+
+
+def call_gemm(spec, inputs, results, attrs: dict, aliases: dict):
+    """Run one GEMM launcher of the chunked backward (:class:`xattn.core.gemm_sm90.GemmSpec`).
+
+    ``results``: ``[(shape, dtype)]``; ``attrs``: the launcher's scalars by name, in its order;
+    ``aliases``: ``{input index: result index}`` (an accumulator updated in place).
+    """
+    result = [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for s, d in results]
+    res = jax.ffi.ffi_call(_gemm_target(spec, tuple(attrs)), result, input_output_aliases=aliases)(*inputs, **attrs)
+    return _match_varying(res, inputs)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
+from xattn.core import gemm_bwd as _gemm_route
 from xattn.core.checks import check_layout_sizes, check_sizes
 from xattn.core.spec import KernelSpec, canonical_mask, supports
 from xattn.core.workspace import bwd_workspace_shapes
@@ -67,6 +68,9 @@ class Config:
     # XATTN_DETERMINISTIC / XLA_FLAGS as read when the call was made; part of the key of every trace
     # cache, so changing the mode retraces instead of reusing a backward traced under the old one
     deterministic: str = field(default_factory=deterministic_mode)
+    # XATTN_BWD_ROUTE and the block budget (xattn.core.gemm_bwd), read when the call was made: a change
+    # retraces instead of reusing a backward traced with the old route
+    bwd_route: tuple = field(default_factory=lambda: (_gemm_route.env_route(), _gemm_route.budget_bytes()))
 
     def __post_init__(self):
         object.__setattr__(self, "scale", static_scale(self.scale, 0))  # every route (nn, varlen, ring) too
@@ -137,6 +141,13 @@ def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
     nk, hkv = k.shape[1], k.shape[2]
     if _no_launch(q, k):  # no row or no key: every gradient is 0
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    route, budget = cfg.bwd_route
+    choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
+                                (spec.window_left, spec.window_right), False, nk, route=route)
+    if choice.route == "gemm":
+        from .gemm_bwd import gemm_backward
+
+        return gemm_backward(dout, q, k, v, out, lse, softmax_scale=cfg.scale, causal=cfg.causal, budget=budget)
     ws = bwd_workspace_shapes(spec, b, nq, nk, b * nq, b * nk, hq, hkv)
     check_layout_sizes(ws)
     outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]

@@ -1,0 +1,58 @@
+"""NumPy stand-ins for the chunked backward's GEMM launchers (xattn.core.gemm_sm90), registered on
+the CPU platform through jax_tvm_ffi: the same parameter order and math, so CI runs the JAX
+driver's blocks, padding, aliasing and FFI plumbing without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm_ffi
+
+from xattn.core.gemm_bwd_epilogues import MASK_PENALTY
+from xattn.core.gemm_sm90 import GemmSpec
+
+CALLS: list[str] = []
+
+
+def _f(x):
+    return np.from_dlpack(x).astype(np.float32)
+
+
+def make(spec: GemmSpec):
+    def launcher(*args):
+        CALLS.append(spec.kind)
+        if spec.kind == "probs_causal":
+            a, b, rowbias, rowpos, colpos, d, p32, scale_log2, _ = args
+            x = np.einsum("lmk,lnk->lmn", _f(a), _f(b)) * float(scale_log2) + _f(rowbias)[:, :, None]
+            x = x - MASK_PENALTY * np.maximum(_f(colpos)[:, None, :] - _f(rowpos)[:, :, None], 0)
+            p = np.exp2(x)
+            np.from_dlpack(p32)[...] = p
+            np.from_dlpack(d)[...] = p
+        elif spec.kind == "probs_full":
+            a, b, rowbias, d, p32, scale_log2, _ = args
+            p = np.exp2(np.einsum("lmk,lnk->lmn", _f(a), _f(b)) * float(scale_log2) + _f(rowbias)[:, :, None])
+            np.from_dlpack(p32)[...] = p
+            np.from_dlpack(d)[...] = p
+        elif spec.kind == "grad_scores":
+            a, b, p32, delta, d, scale, _ = args
+            dp = np.einsum("lmk,lnk->lmn", _f(a), _f(b))
+            np.from_dlpack(d)[...] = (dp - _f(delta)[:, :, None]) * _f(p32) * float(scale)
+        elif spec.kind == "acc":
+            x, y, c, d, _ = args
+            np.from_dlpack(d)[...] = np.einsum("lkm,lkn->lmn", _f(x), _f(y)) + _f(c)
+        elif spec.kind == "mm_dq":
+            x, y, d, _ = args
+            np.from_dlpack(d)[...] = np.einsum("lmk,lkn->lmn", _f(x), _f(y))
+        else:
+            x, y, d, _ = args
+            np.from_dlpack(d)[...] = np.einsum("lkm,lkn->lmn", _f(x), _f(y))
+
+    return tvm_ffi.convert(launcher)
+
+
+def provider(fallback):
+    """A launcher provider: GEMM specs get these stand-ins, everything else ``fallback(spec)``."""
+    def get(spec):
+        if isinstance(spec, GemmSpec):
+            return make(spec), "cpu"
+        return fallback(spec)
+    return get

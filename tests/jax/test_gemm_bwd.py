@@ -1,0 +1,75 @@
+"""The JAX driver of the chunked-GEMM backward on the CPU: the real FFI plumbing with NumPy stand-ins
+for the GEMM launchers (tests/jax/numpy_gemm.py), vs the fp64 reference backward."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+from tests.jax import numpy_gemm, numpy_launcher  # noqa: E402
+from xattn.jax import _ffi  # noqa: E402
+from xattn.jax import gemm_bwd as gb  # noqa: E402
+from xattn.jax.reference import attention_reference, attention_reference_bwd  # noqa: E402
+
+
+@pytest.fixture
+def standin():
+    _ffi.set_launcher_provider(numpy_gemm.provider(numpy_launcher.provider))
+    numpy_gemm.CALLS.clear()
+    yield
+    _ffi.set_launcher_provider(None)
+
+
+def _inputs(b, nq, nk, hq, hkv, d, seed):
+    rng = np.random.default_rng(seed)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)  # noqa: E731
+    return mk(b, nq, hq, d), mk(b, nk, hkv, d), mk(b, nk, hkv, d), mk(b, nq, hq, d)
+
+
+@pytest.mark.parametrize("b, nq, nk, hq, hkv, causal, rows", [
+    (2, 200, 200, 4, 2, True, 64),    # several blocks, GQA 2
+    (1, 130, 190, 6, 2, True, 64),    # Nq < Nk, padded rows and keys
+    (1, 190, 130, 3, 3, True, 64),    # Nq > Nk: rows before the first key
+    (2, 150, 171, 8, 1, False, 64),   # GQA 8, not causal, Nk not a multiple of 8
+    (1, 300, 40, 2, 1, True, 64),     # whole blocks without keys
+    (1, 77, 77, 4, 4, True, None),    # one block (mm_kv writes dk/dv)
+])
+def test_jax_driver_vs_fp64(standin, b, nq, nk, hq, hkv, causal, rows):
+    d = 32
+    q, k, v, dout = _inputs(b, nq, nk, hq, hkv, d, seed=nq + nk)
+    scale = d ** -0.5
+    out, lse = attention_reference(q, k, v, scale=scale, causal=causal)
+    want = attention_reference_bwd(dout.astype(jnp.float32), q.astype(jnp.float32), k.astype(jnp.float32),
+                                   v.astype(jnp.float32), out.astype(jnp.float32), lse, scale=scale, causal=causal)
+    got = jax.jit(lambda *a: gb.gemm_backward(*a, softmax_scale=scale, causal=causal, rows=rows))(
+        dout, q, k, v, out.astype(q.dtype), lse)
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert x.shape == r.shape and x.dtype == q.dtype, name
+        err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)))
+        assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r)))), (name, err)
+    kinds = set(numpy_gemm.CALLS)
+    assert "probs_causal" in kinds and "grad_scores" in kinds and "mm_dq" in kinds
+    assert ("mm_kv" in kinds) == (rows is None)
+
+
+def test_route_through_ffpa_attention_grad(standin, monkeypatch):
+    """xattn.jax.ffpa_attention's backward takes the GEMM route when XATTN_BWD_ROUTE=gemm."""
+    import xattn.jax as xj
+
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "1")
+    q, k, v, dout = _inputs(1, 150, 150, 4, 2, 320, seed=1)
+
+    def loss(q, k, v):
+        return jnp.sum(xj.ffpa_attention(q, k, v, causal=True, backend="kernel").astype(jnp.float32)
+                       * dout.astype(jnp.float32))
+
+    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert "probs_causal" in numpy_gemm.CALLS
+    scale = 320 ** -0.5
+    out, lse = attention_reference(q, k, v, scale=scale, causal=True)
+    want = attention_reference_bwd(dout.astype(jnp.float32), q.astype(jnp.float32), k.astype(jnp.float32),
+                                   v.astype(jnp.float32), out.astype(jnp.float32), lse, scale=scale, causal=True)
+    for x, r in zip(got, want):
+        assert float(jnp.max(jnp.abs(x.astype(jnp.float32) - r))) < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r))))

@@ -1,0 +1,202 @@
+"""Fixed-signature launchers of the chunked-GEMM backward's GEMMs (quack sm90), for DLPack callers.
+
+:mod:`xattn.torch` drives quack's GEMMs through quack's own torch interface; everything else
+(XLA FFI targets of :mod:`xattn.jax`, DLPack users) needs functions with a flat, fixed
+signature, which this module compiles from the same quack kernel classes and the epilogues of
+:mod:`xattn.core.gemm_bwd_epilogues`. Each launcher is one batched GEMM ``D[l] = A[l] @ B[l]ᵀ``
+(+ its epilogue) with the shapes of one step of :mod:`xattn.core.gemm_bwd`:
+
+================  ===========================================  ============================================
+kind              parameters (inputs, then outputs)            computes
+================  ===========================================  ============================================
+``probs_causal``  A, B, rowbias, rowpos, colpos -> D, p32      ``S = A Bᵀ``; D = p32 = P (masked), scale_log2
+``probs_full``    A, B, rowbias -> D, p32                      the same without the mask
+``grad_scores``   A, B, p32, delta -> D                        ``D = (A Bᵀ − δ) ⊙ p32 · scale``
+``acc``           X, Y, C -> D                                 ``D = Xᵀ Y + C`` (C fp32; D fp32 with d32)
+``mm_dq``         X, Y -> D                                    ``D = X Y``
+``mm_kv``         X, Y -> D                                    ``D = Xᵀ Y``
+================  ===========================================  ============================================
+
+All tensors are batched over a leading L and cross in their natural row-major form (last dim
+contiguous, 16-byte aligned rows): A ``(L, M, K)``, B ``(L, N, K)``, X ``(L, K, M)`` or
+``(L, M, K)`` (``mm_dq``), Y ``(L, K, N)``, D/C/p32 ``(L, M, N)``, row vectors ``(L, M)``,
+colpos ``(L, N)``. After the tensors come the scalar (``scale_log2`` / ``scale``, fp32; none for
+the plain GEMMs) and ``max_active_clusters`` (Int32, :func:`max_active_clusters`); they run on
+the TVM-FFI environment stream. D is 16-bit (q's dtype) except for ``acc`` with ``d32``.
+Compile key: :class:`GemmSpec`; tile 128x192, cluster 2x1, pingpong, static persistent schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from .spec import library_versions
+from .symbolic import CUTE_DTYPES, compile_launcher  # noqa: F401  (pins the DSL arch first)
+
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from quack.compile_utils import make_fake_tensor  # noqa: E402
+
+__all__ = ["GemmSpec", "KINDS", "compile_gemm", "max_active_clusters", "source_digest"]
+
+KINDS = ("probs_causal", "probs_full", "grad_scores", "acc", "mm_dq", "mm_kv")
+TILE_MN = (128, 192)
+CLUSTER_MNK = (2, 1, 1)
+MAX_SWIZZLE = 8
+
+
+@functools.cache
+def source_digest() -> str:
+    """Digest of the sources that shape these launchers (this file and the epilogues)."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in ("gemm_sm90.py", "gemm_bwd_epilogues.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """Compile key of one GEMM launcher: ``kind`` (:data:`KINDS`), 16-bit ``dtype`` of A/B,
+    ``d32`` (``acc`` only: D in fp32, i.e. accumulate in place; else D in ``dtype``). Goes through
+    the same launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`."""
+
+    kind: str
+    dtype: str
+    d32: bool = False
+    arch: str = "sm_90a"
+    source: str = field(default_factory=source_digest)
+    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    def short_name(self) -> str:
+        # "ffpa_bwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
+        return f"ffpa_bwd_gemm_{self.kind}_{self.dtype}{'_d32' if self.d32 else ''}_{self.arch}"
+
+    def target_name(self) -> str:
+        digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]
+        return f"xattn_{self.short_name()}_{digest}"
+
+
+def max_active_clusters(num_sms: int) -> int:
+    """The ``max_active_clusters`` argument for a GPU with ``num_sms`` SMs (one CTA per SM)."""
+    return max(1, num_sms // (CLUSTER_MNK[0] * CLUSTER_MNK[1]))
+
+
+def _scheduler(max_clusters):
+    from quack.tile_scheduler import TileSchedulerOptions
+
+    return TileSchedulerOptions(max_active_clusters=max_clusters, max_swizzle_size=Int32(MAX_SWIZZLE),
+                                tile_count_semaphore=None, ag=None, batch_idx_permute=None)
+
+
+class _Probs:
+    def __init__(self, gemm, args_cls):
+        self.gemm, self.args_cls = gemm, args_cls
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mRowBias: cute.Tensor, mRowPos: cute.Tensor,
+                 mColPos: cute.Tensor, mD: cute.Tensor, mP32: cute.Tensor, scale_log2: Float32,
+                 max_clusters: Int32, stream):
+        epi = self.args_cls(rowbias=mRowBias, rowpos=mRowPos, colpos=mColPos, scale_log2=scale_log2, p32=mP32)
+        self.gemm(mA, mB, mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+
+
+class _ProbsFull:
+    def __init__(self, gemm, args_cls):
+        self.gemm, self.args_cls = gemm, args_cls
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mRowBias: cute.Tensor, mD: cute.Tensor,
+                 mP32: cute.Tensor, scale_log2: Float32, max_clusters: Int32, stream):
+        epi = self.args_cls(rowbias=mRowBias, scale_log2=scale_log2, p32=mP32)
+        self.gemm(mA, mB, mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+
+
+class _GradScores:
+    def __init__(self, gemm, args_cls):
+        self.gemm, self.args_cls = gemm, args_cls
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mP32: cute.Tensor, mDelta: cute.Tensor,
+                 mD: cute.Tensor, scale: Float32, max_clusters: Int32, stream):
+        epi = self.args_cls(p32=mP32, delta=mDelta, scale=scale)
+        self.gemm(mA, mB, mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+
+
+class _Acc:
+    def __init__(self, gemm, args_cls):
+        self.gemm, self.args_cls = gemm, args_cls
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor,
+                 max_clusters: Int32, stream):
+        self.gemm(mX, mY, mD, mC, self.args_cls(), _scheduler(max_clusters), None, stream, None, None)
+
+
+class _Mm:
+    def __init__(self, gemm, args_cls):
+        self.gemm, self.args_cls = gemm, args_cls
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mD: cute.Tensor, max_clusters: Int32, stream):
+        self.gemm(mX, mY, mD, None, self.args_cls(), _scheduler(max_clusters), None, stream, None, None)
+
+
+def _epi_class(kind: str):
+    """The quack GEMM class (epilogue mixin + GemmSm90) of ``kind``."""
+    if kind in ("acc", "mm_dq", "mm_kv"):
+        from quack.gemm_default_epi import GemmDefaultSm90
+
+        return GemmDefaultSm90
+    from quack.rounding import RoundingMode
+
+    from . import gemm_bwd_epilogues as epi
+
+    mod = {"probs_causal": epi.probs_causal, "probs_full": epi.probs_full, "grad_scores": epi.grad_scores}[kind]
+    visit_sig = tuple((name, mod.ops[name].fn_port) for name in mod.operand_names)
+    return mod._mint(visit_sig, 9, False, False, (), RoundingMode.RN, (), False)
+
+
+def compile_gemm(spec: GemmSpec):
+    """Compile the launcher of ``spec``; returns the compiled TVM-FFI function."""
+    if spec.kind not in KINDS:
+        raise ValueError(f"unknown GEMM launcher kind {spec.kind!r}; expected one of {KINDS}")
+    if spec.d32 and spec.kind != "acc":
+        raise ValueError(f"d32 is for the 'acc' launcher only, not {spec.kind!r}")
+    cls = _epi_class(spec.kind)
+    dt = CUTE_DTYPES[spec.dtype]
+    gemm = partial(cls, pingpong=True, is_persistent=True)(Float32, dt, TILE_MN, CLUSTER_MNK, gather_A=False,
+                                                          concat_layout=None)
+    # every operand crosses in its natural row-major form; transposed operands are relabelled here
+    gemm.a_transposed = spec.kind in ("acc", "mm_kv")  # X (L, K, M) -> A (L, M, K)
+    gemm.b_transposed = spec.kind in ("acc", "mm_kv", "mm_dq")  # Y (L, K, N) -> B (L, N, K)
+    gemm.cd_transposed = False
+    gemm.cd_packed = None
+    sym = cute.sym_int
+    l, m, n, k = sym(), sym(), sym(), sym()
+    half = lambda x, y: make_fake_tensor(dt, (l, x, y), leading_dim=2, divisibility=8)  # noqa: E731
+    f32 = lambda *shape: make_fake_tensor(Float32, (l, *shape), leading_dim=len(shape), divisibility=4)  # noqa: E731
+    if spec.kind == "probs_causal":
+        launcher = _Probs(gemm, cls.EpilogueArguments)
+        tensors = (half(m, k), half(n, k), f32(m), f32(m), f32(n), half(m, n), f32(m, n))
+    elif spec.kind == "probs_full":
+        launcher = _ProbsFull(gemm, cls.EpilogueArguments)
+        tensors = (half(m, k), half(n, k), f32(m), half(m, n), f32(m, n))
+    elif spec.kind == "grad_scores":
+        launcher = _GradScores(gemm, cls.EpilogueArguments)
+        tensors = (half(m, k), half(n, k), f32(m, n), f32(m), half(m, n))
+    elif spec.kind == "acc":
+        launcher = _Acc(gemm, cls.EpilogueArguments)
+        tensors = (half(k, m), half(k, n), f32(m, n), f32(m, n) if spec.d32 else half(m, n))
+    elif spec.kind == "mm_dq":
+        launcher = _Mm(gemm, cls.EpilogueArguments)
+        tensors = (half(m, k), half(k, n), half(m, n))
+    else:
+        launcher = _Mm(gemm, cls.EpilogueArguments)
+        tensors = (half(k, m), half(k, n), half(m, n))
+    scalars = (Int32(1),) if spec.kind in ("acc", "mm_dq", "mm_kv") else (Float32(1.0), Int32(1))
+    return compile_launcher(launcher, tensors, scalars)

@@ -1,0 +1,132 @@
+"""JAX driver of the chunked-GEMM backward (see :mod:`xattn.core.gemm_bwd` for the math).
+
+The layout glue is jnp (XLA fuses it); the GEMMs are the core's fixed-signature quack launchers
+(:mod:`xattn.core.gemm_sm90`) as XLA FFI custom calls, one block at a time. Every block spans
+``k8`` keys (its causal limit rounded up to 8, so every row stride is 16-byte aligned); the keys
+past the limit (or past Nk: K/V are zero-padded to a multiple of 8) are masked by the
+epilogue's position test, so non-causal problems use it too, with every row at the last key.
+The fp32 dK/dV accumulators are threaded through the ``acc`` calls (input aliased to output).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from xattn.core import gemm_bwd as plan_mod
+from xattn.core.gemm_sm90 import GemmSpec, max_active_clusters
+
+from . import _ffi
+
+__all__ = ["gemm_backward"]
+
+LOG2E = 1.4426950408889634
+_DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+
+
+def _num_sms() -> int:
+    from xattn.core.device import cuda_gpus
+
+    gpus = cuda_gpus()
+    return gpus[0].num_sms if gpus else 132
+
+
+def _rows_to_blocks(x, hkv: int, rows: int, padded: int):
+    """``[B, N, Hq, D]`` -> ``[B*Hkv, C, rows*g, D]`` (GEMM row ``r*g + i``: query row r, head
+    ``kv*g + i``); padded rows are zero. The same order as :mod:`xattn.torch.gemm_bwd`."""
+    b, n, hq, d = x.shape
+    g, c = hq // hkv, padded // rows
+    x = jnp.pad(x, ((0, 0), (0, padded - n), (0, 0), (0, 0)))
+    x = x.reshape(b, c, rows, hkv, g, d).transpose(0, 3, 1, 2, 4, 5)
+    return x.reshape(b * hkv, c, rows * g, d)
+
+
+def _blocks_to_rows(xp, b: int, n: int, hq: int, rows: int):
+    l, c, _, d = xp.shape
+    hkv, g = l // b, hq // (l // b)
+    x = xp.reshape(b, hkv, c, rows, g, d).transpose(0, 2, 3, 1, 4, 5)
+    return x.reshape(b, c * rows, hq, d)[:, :n]
+
+
+def _vec_to_blocks(x, hkv: int, rows: int, padded: int, fill: float):
+    """``[B, Hq, N]`` fp32 -> ``[B*Hkv, C, rows*g]`` in :func:`_rows_to_blocks`' row order."""
+    b, hq, n = x.shape
+    g, c = hq // hkv, padded // rows
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, padded - n)), constant_values=fill)
+    return x.reshape(b, hkv, g, c, rows).transpose(0, 1, 3, 4, 2).reshape(b * hkv, c, rows * g)
+
+
+def _gemm(kind: str, dtype: str, inputs, results, scale=None, d32=False, aliases=None):
+    spec = GemmSpec(kind, dtype, d32)
+    attrs = {"max_clusters": np.int32(max_active_clusters(_num_sms()))}
+    if scale is not None:
+        attrs = {"scale": np.float32(scale), **attrs}
+    return _ffi.call_gemm(spec, inputs, results, attrs, aliases or {})
+
+
+def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, rows: int | None = None,
+                  budget: int | None = None):
+    """dq ``[B, Nq, Hq, D]``, dk/dv ``[B, Nk, Hkv, D]`` from the given out/lse (lse fp32
+    ``[B, Hq, Nq]``); causal is bottom-right aligned. ``rows`` overrides the block rows that
+    ``budget`` (bytes; default ``XATTN_GEMM_BWD_BUDGET_MIB``) gives."""
+    B, Nq, Hq, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    g, L = Hq // Hkv, B * Hkv
+    dt = _DTYPES[jnp.dtype(q.dtype)]
+    p = plan_mod.plan(B, Nq, Nk, Hq, causal, budget=budget, rows=rows)
+    R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
+    shift = Nk - Nq
+
+    qp = _rows_to_blocks(q, Hkv, R, Np)
+    dop = _rows_to_blocks(dout, Hkv, R, Np)
+    pad_keys = lambda x: jnp.pad(x.transpose(0, 2, 1, 3).reshape(L, Nk, D), ((0, 0), (0, nk8 - Nk), (0, 0)))  # noqa: E731
+    kp, vp = pad_keys(k), pad_keys(v)
+    lse32 = lse.astype(jnp.float32)
+    rowbias = _vec_to_blocks(jnp.where(jnp.isfinite(lse32), lse32 * -LOG2E, -jnp.inf), Hkv, R, Np, -math.inf)
+    delta = jnp.einsum("bnhd,bnhd->bhn", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = _vec_to_blocks(delta, Hkv, R, Np, 0.0)
+    if causal:
+        pos = jnp.arange(Np, dtype=jnp.float32) + shift
+    else:  # every row sees every real key; only the padded keys (>= Nk) are masked
+        pos = jnp.full((Np,), Nk - 1, jnp.float32)
+    rowpos = jnp.broadcast_to(jnp.repeat(pos.reshape(C, R), g, axis=1)[None], (L, C, R * g))
+    colpos = jnp.broadcast_to(jnp.arange(nk8, dtype=jnp.float32)[None], (L, nk8))
+    f32 = jnp.float32
+    dk_acc = dv_acc = None
+    if C > 1:
+        dk_acc = jnp.zeros((L, nk8, D), f32)
+        dv_acc = jnp.zeros((L, nk8, D), f32)
+    dq_blocks = []
+    scale_log2 = softmax_scale * LOG2E
+    dk = dv = None
+    for c, (_, kend) in enumerate(p.blocks):
+        if kend <= 0:  # every row of the block is before the first key
+            dq_blocks.append(jnp.zeros((L, R * g, D), q.dtype))
+            continue
+        k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
+        kc, vc = kp[:, :k8], vp[:, :k8]
+        pb, p32 = _gemm("probs_causal", dt, [qp[:, c], kc, rowbias[:, c], rowpos[:, c], colpos[:, :k8]],
+                        [((L, R * g, k8), q.dtype), ((L, R * g, k8), f32)], scale=scale_log2)
+        (dsb,) = _gemm("grad_scores", dt, [dop[:, c], vc, p32, delta[:, c]], [((L, R * g, k8), q.dtype)],
+                       scale=softmax_scale)
+        if C == 1:
+            (dv,) = _gemm("mm_kv", dt, [pb, dop[:, c]], [((L, k8, D), q.dtype)])
+            (dk,) = _gemm("mm_kv", dt, [dsb, qp[:, c]], [((L, k8, D), q.dtype)])
+        elif c < C - 1:
+            (dva,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc[:, :k8]], [((L, k8, D), f32)], d32=True,
+                           aliases={2: 0})
+            (dka,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc[:, :k8]], [((L, k8, D), f32)], d32=True,
+                           aliases={2: 0})
+            dv_acc = dv_acc.at[:, :k8].set(dva)
+            dk_acc = dk_acc.at[:, :k8].set(dka)
+        else:  # the last block reaches the last key: it writes the 16-bit results
+            (dv,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc[:, :k8]], [((L, k8, D), q.dtype)])
+            (dk,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc[:, :k8]], [((L, k8, D), q.dtype)])
+        (dqc,) = _gemm("mm_dq", dt, [dsb, kc], [((L, R * g, D), q.dtype)])
+        dq_blocks.append(dqc)
+    dq = _blocks_to_rows(jnp.stack(dq_blocks, axis=1), B, Nq, Hq, R)
+    unblock = lambda x: x[:, :Nk].reshape(B, Hkv, Nk, D).transpose(0, 2, 1, 3)  # noqa: E731
+    return dq, unblock(dk), unblock(dv)
+
