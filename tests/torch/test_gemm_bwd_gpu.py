@@ -65,7 +65,7 @@ def test_auto_route_through_autograd(monkeypatch):
     the GEMM backward, and xt.attention's gradients match fp64."""
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     calls = []
-    real = gemm_bwd.gemm_backward  # the default GEMMs: the core launchers (CoreGemms)
+    real = gemm_bwd.gemm_backward
     monkeypatch.setattr(gemm_bwd, "gemm_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, dout = _inputs(1, 2100, 2100, 8, 1, torch.bfloat16, seed=3)
     q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -1,9 +1,9 @@
 """Torch driver of the chunked-GEMM backward (see :mod:`xattn.core.gemm_bwd` for the math).
 
 :func:`gemm_backward` takes dense ``[B, N, H, D]`` tensors and returns ``(dq, dk, dv)``, contiguous,
-in q's dtype. The layout glue (query rows of a KV head's query heads stacked per block, δ)
-runs as torch ops; the five GEMMs per block are the core's quack sm90 GEMM launchers with the
-fused epilogues of :mod:`xattn.core.gemm_bwd_epilogues` (the same as :mod:`xattn.jax`'s). Scratch: :func:`xattn.core.gemm_bwd.workspace_bytes`.
+in q's dtype. The layout glue (query rows of a KV head's query heads stacked per block, δ,
+fp32 -> 16-bit) runs as torch ops; the five GEMMs per block are quack sm90 GEMMs with the fused
+epilogues of :mod:`xattn.core.gemm_bwd_epilogues`. Scratch: :func:`xattn.core.gemm_bwd.workspace_bytes`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from xattn.core import gemm_bwd as plan_mod
 
-__all__ = ["gemm_backward", "CoreGemms", "QuackGemms", "TorchGemms"]
+__all__ = ["gemm_backward", "QuackGemms", "TorchGemms"]
 
 LOG2E = 1.4426950408889634
 
@@ -51,43 +51,6 @@ class QuackGemms:
         self._gi.gemm_out(a, b, out, tuned=False)
 
 
-class CoreGemms:
-    """The GEMMs as the core's fixed-signature launchers (:mod:`xattn.core.gemm_sm90`, the ones
-    xattn.jax uses), called on torch tensors (TVM-FFI adopts torch's current stream). The default."""
-
-    def __init__(self):
-        from xattn.core import get_launcher
-        from xattn.core.gemm_sm90 import GemmSpec, max_active_clusters
-
-        self._get, self._spec, self._clusters = get_launcher, GemmSpec, max_active_clusters
-
-    def _run(self, kind, like, *args, d32=False):
-        dtype = "bfloat16" if like.dtype == torch.bfloat16 else "float16"
-        sms = torch.cuda.get_device_properties(like.device).multi_processor_count
-        self._get(self._spec(kind, dtype, d32)).function(*args, self._clusters(sms))
-
-    def probs(self, a, b, p, p32, rowbias, rowpos, colpos, scale_log2, causal):
-        if causal:
-            self._run("probs_causal", a, a, b.mT, rowbias, rowpos, colpos, p, p32, scale_log2)
-        else:
-            self._run("probs_full", a, a, b.mT, rowbias, p, p32, scale_log2)
-
-    def grad_scores(self, a, b, ds, p32, delta, scale):
-        self._run("grad_scores", a, a, b.mT, p32, delta, ds, scale)
-
-    def add_into(self, a, b, acc):
-        self._run("acc", a, a.mT, b, acc, acc, d32=True)
-
-    def add_to(self, a, b, c, out):
-        self._run("acc", a, a.mT, b, c, out)
-
-    def mm(self, a, b, out):
-        if a.stride(-1) == 1:  # dq = dS K
-            self._run("mm_dq", a, a, b, out)
-        else:  # one block: dk/dv = Xᵀ Y with X given transposed
-            self._run("mm_kv", a, a.mT, b, out)
-
-
 class TorchGemms:
     """The same four GEMM kinds as fp32 torch matmuls: a reference that runs anywhere (tests)."""
 
@@ -114,7 +77,6 @@ class TorchGemms:
 
 
 _QUACK: QuackGemms | None = None
-_CORE: CoreGemms | None = None
 
 
 def _quack() -> QuackGemms:
@@ -122,13 +84,6 @@ def _quack() -> QuackGemms:
     if _QUACK is None:
         _QUACK = QuackGemms()
     return _QUACK
-
-
-def _core() -> CoreGemms:
-    global _CORE
-    if _CORE is None:
-        _CORE = CoreGemms()
-    return _CORE
 
 
 def _rows_to_blocks(x: Tensor, hkv: int, rows: int, padded: int) -> Tensor:
@@ -189,15 +144,14 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     """dq ``[B, Nq, Hq, D]``, dk/dv ``[B, Nk, Hkv, D]`` (summed over each GQA group) from the given
     out/lse (lse fp32 ``[B, Hq, Nq]``, natural log; ``-inf`` rows contribute nothing).
 
-    Causal is bottom-right aligned. ``gemms`` defaults to the core's launchers (:class:`CoreGemms`;
-    :class:`QuackGemms` runs quack's torch interface instead); ``rows`` overrides the block rows
-    that the budget (``XATTN_GEMM_BWD_BUDGET_MIB``) gives.
+    Causal is bottom-right aligned. ``gemms`` defaults to quack's GEMMs; ``rows`` overrides the
+    block rows that the budget (``XATTN_GEMM_BWD_BUDGET_MIB``) gives.
     """
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     g, L = Hq // Hkv, B * Hkv
     dev, dt = q.device, q.dtype
-    gemms = _core() if gemms is None else gemms
+    gemms = _quack() if gemms is None else gemms
     p = plan_mod.plan(B, Nq, Nk, Hq, causal, rows=rows)
     R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
     shift = Nk - Nq
