@@ -13,7 +13,6 @@
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
 #   e2e-PART     benchmarks/e2e_gemma4.py --parts PART (torch or jax) -> $OUT/results/e2e_gemma4_h200.json, continuing
 #                benchmarks/results/e2e_gemma4_h200.json (E2E_SEQLENS, E2E_IMPLS narrow it)
-#   gemm-proto   benchmarks/tools/gemm_bwd_proto.py (chunked-GEMM d512 backward vs FFPA's) -> $OUT/results/gemm_bwd_proto_h200.json
 #   bwd-routes   benchmarks/bwd_routes.py (d512 backward: FFPA vs chunked GEMM; BWD_SEQLENS, BWD_FRAMEWORKS, BWD_DTYPES) -> $OUT/results/bwd_routes_h200.json
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; autotuned vs default)
 #   memory       benchmarks/memory_growth.py (1,000 mixed calls in one process) -> $OUT/results/memory_growth_h200.json
@@ -57,8 +56,6 @@ for step in "$@"; do
             timeout "$t" python benchmarks/e2e_gemma4.py --parts "${step#e2e-}" --seqlens "${E2E_SEQLENS:-8192,16384,32768}" \
               ${E2E_IMPLS:+--impls "$E2E_IMPLS"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
               | tee -a "$OUT/steps.log" | tail -16 ;;
-    gemm-proto) timeout "$t" python benchmarks/tools/gemm_bwd_proto.py --out "$OUT/results/gemm_bwd_proto_h200.json" 2>&1 \
-              | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     bwd-routes) timeout "$t" python benchmarks/bwd_routes.py --seqlens "${BWD_SEQLENS:-8192,16384}" \
               --frameworks "${BWD_FRAMEWORKS:-torch,jax}" --dtypes "${BWD_DTYPES:-bfloat16,float16}" \
               --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;

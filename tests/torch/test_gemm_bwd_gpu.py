@@ -22,6 +22,22 @@ def _max_err(x, ref):
     return (x.double() - ref).abs().max().item()
 
 
+def _check_against_ffpa(monkeypatch, q, k, v, dout, causal):
+    """Both routes through the custom op on the same out/lse: the GEMM route's gradients are within
+    1.5x of FFPA's error vs fp64 (+1e-3), with FFPA's shapes, dtype and contiguity."""
+    scale = 512 ** -0.5
+    out, lse = ops.fwd(q, k, v, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
+    want = attention_bwd(dout, q, k, v, out, lse, scale=scale, causal=causal)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
+    ffpa = ops.bwd(dout, q, k, v, out, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    got = ops.bwd(dout, q, k, v, out, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
+    for name, x, f, r in zip(("dq", "dk", "dv"), got, ffpa, want):
+        assert x.shape == f.shape and x.dtype == q.dtype and x.is_contiguous(), name
+        err, err_ffpa = _max_err(x, r), _max_err(f, r)
+        assert err <= 1.5 * err_ffpa + 1e-3, (name, err, err_ffpa)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("g, causal", [(1, True), (1, False), (4, True), (4, False), (8, True), (8, False)])
 @pytest.mark.parametrize("budget_mib", ["1", "2048"], ids=["many-blocks", "one-block"])
@@ -30,17 +46,7 @@ def test_gemm_backward_vs_fp64_and_ffpa(monkeypatch, dtype, g, causal, budget_mi
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", budget_mib)
     b, nq, nk, hkv = 2, 389, 517, 2
     q, k, v, dout = _inputs(b, nq, nk, g * hkv, hkv, dtype, seed=g * 10 + causal)
-    scale = 512 ** -0.5
-    out, lse = ops.fwd(q, k, v, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-    want = attention_bwd(dout, q, k, v, out, lse, scale=scale, causal=causal)
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
-    ffpa = ops.bwd(dout, q, k, v, out, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
-    got = ops.bwd(dout, q, k, v, out, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-    for name, x, f, r in zip(("dq", "dk", "dv"), got, ffpa, want):
-        assert x.shape == f.shape and x.dtype == dtype and x.is_contiguous(), name
-        err, err_ffpa = _max_err(x, r), _max_err(f, r)
-        assert err <= 1.5 * err_ffpa + 1e-3, (name, err, err_ffpa)
+    _check_against_ffpa(monkeypatch, q, k, v, dout, causal)
 
 
 @pytest.mark.parametrize("g, causal", [(1, True), (1, False), (8, True)])
@@ -49,15 +55,7 @@ def test_gemm_backward_without_padding(monkeypatch, g, causal):
     by accident (the H200 benchmark found a stride-1 batch mode that quack's TMA refuses)."""
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "2048")
     q, k, v, dout = _inputs(1, 1024, 1024, 2 * g, 2, torch.bfloat16, seed=g)
-    scale = 512 ** -0.5
-    out, lse = ops.fwd(q, k, v, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-    want = attention_bwd(dout, q, k, v, out, lse, scale=scale, causal=causal)
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
-    ffpa = ops.bwd(dout, q, k, v, out, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
-    got = ops.bwd(dout, q, k, v, out, lse, "ffpa", scale, causal, -1, -1, None, None, 0, 0)
-    for name, x, f, r in zip(("dq", "dk", "dv"), got, ffpa, want):
-        assert _max_err(x, r) <= 1.5 * _max_err(f, r) + 1e-3, name
+    _check_against_ffpa(monkeypatch, q, k, v, dout, causal)
 
 
 def test_auto_route_through_autograd(monkeypatch):

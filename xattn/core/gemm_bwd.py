@@ -45,7 +45,8 @@ BYTES_PER_SCORE = 8  # P (16-bit) + P (fp32) + dS (16-bit) per query-row x key e
 MIN_BLOCK_ROWS = 64
 ROW_ALIGN = 8  # P / dS / colpos row strides are padded to 8 elements (16-byte TMA strides)
 
-# Measured on the H200 (benchmarks/results/gemm_bwd_proto_h200.json, bf16, d512, fwd from FFPA):
+# Measured on the H200 (benchmarks/results/gemm_bwd_proto_h200.json: the prototype of this route,
+# benchmarks/tools/gemm_bwd_proto.py, last in commit b27f391; bf16, d512, fwd from FFPA):
 # backward TFLOP/s, FFPA vs this route. The route wins from these key counts on.
 #   Hq32/Hkv4 causal: N 1k 85 vs 73, 2k 140 vs 161, 4k 188 vs 251, 8k 228 vs 364
 #   Hq16/Hkv16 causal: N 2k 183 vs 147, 4k 216 vs 196, 8k 235 vs 317; non-causal 8k 248 vs 436
