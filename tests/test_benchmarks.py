@@ -106,3 +106,17 @@ def test_e2e_gemma4_derive_speedup_and_attention_share():
     assert rows[0]["speedup_vs_sdpa"] == 1.5 and rows[0]["attn_share"] == 0.25
     assert rows[2]["attn_share"] is None
     assert "oom" in table(rows)
+
+
+def test_bwd_routes_tables_pair_the_routes():
+    from benchmarks.bwd_routes import markdown, markdown_jax
+
+    base = dict(heads_q=32, heads_kv=4, causal=True, seqlen=8192, dtype="bfloat16", target_fwd_bwd_tflops=400)
+    rows = [dict(base, method="xattn.torch", route=r, **{"pass": p, "tflops": t, "extra_gib": 3.2})
+            for r, p, t in (("ffpa", "bwd", 230.0), ("gemm", "bwd", 370.0), ("ffpa", "fwd+bwd", 275.0),
+                            ("gemm", "fwd+bwd", 404.8))]
+    rows += [dict(base, method="xattn.jax", route=r, **{"pass": "fwd+bwd", "tflops": t})
+             for r, t in (("ffpa", 283.5), ("gemm", 441.8))]
+    torch_table, jax_table = markdown(rows), markdown_jax(rows)
+    assert "| Hq32/Hkv4 causal | 8192 | bfloat16 | 230.0 | 370.0 | 275.0 | **404.8** | >= 400 | 3.2 |" in torch_table
+    assert "| Hq32/Hkv4 causal | 8192 | bfloat16 | 283.5 | **441.8** | >= 400 |" in jax_table

@@ -86,7 +86,8 @@ def _uncovered(family, head_dim, head_dim_v, causal, window, varlen) -> str | No
     if head_dim != head_dim_v:
         return "the GEMM backward needs equal q/k and v head dims"
     if varlen:
-        return "varlen (packed) problems keep FFPA's backward: blocks would straddle documents"
+        return ("varlen (packed) problems keep FFPA's backward: the dense block plan would straddle documents "
+                "(a per-document plan over quack's varlen-M GEMMs is not built yet)")
     if window is not None and any(w is not None and w >= 0 for w in window):
         return "sliding windows keep FFPA's backward"
     return None
