@@ -23,3 +23,23 @@ def test_info_reports_versions_gpu_and_families():
     if not data["gpus"]:
         assert data["no_gpu_reason"] and "GPU: none" in text
         assert all("no GPU" in f["why_not_run"] for f in data["families"].values())
+
+
+def test_info_prints_the_d512_backward_route_table():
+    assert "d512 backward: GQA group >= 8: GEMM backward from Nk 2048" in _run("info")
+
+
+def test_cache_lists_and_clears_gemm_launchers(tmp_path):
+    """The chunked backward's GEMM launchers live in the same disk cache: listed as gemm/<kind>,
+    removed by `cache clear` (their names match xattn's own-file pattern)."""
+    import os
+
+    env = dict(os.environ, XATTN_CACHE_DIR=str(tmp_path))
+    code = ("from xattn.core import get_launcher; from xattn.core.gemm_sm90 import GemmSpec; "
+            "get_launcher(GemmSpec('mm_dq', 'bfloat16'))")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "xattn", *a], env=env, capture_output=True,  # noqa: E731
+                                    text=True, check=True).stdout
+    assert "gemm/mm_dq" in run("cache", "list")
+    assert "removed 1 entries" in run("cache", "clear")
+    assert not list(tmp_path.glob("*.o"))

@@ -82,8 +82,10 @@ def _cache(action: str) -> int:
         rows = disk_cache.entries()
         for e in rows:
             spec = e.get("spec", {})
+            kind = (f"gemm/{spec['kind']}" if "kind" in spec  # a GEMM of the d512 chunked backward
+                    else f"{spec.get('family', '?')}/{spec.get('direction', '?')}")
             print(f"{e['file']}  {e['bytes'] / 1e3:8.1f} kB  compiled in {e.get('compile_seconds', '?')} s"
-                  f"  on {e.get('created', '?')}  {spec.get('family', '?')}/{spec.get('direction', '?')}")
+                  f"  on {e.get('created', '?')}  {kind}")
         print(f"{len(rows)} entries in {disk_cache.cache_dir()}")
     return 0
 
