@@ -19,6 +19,7 @@ raise, ``=warn`` warn; see :mod:`xattn.jax.determinism`.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from xattn.core.workspace import bwd_workspace_shapes
 from . import _ffi
 from .determinism import check_backward, deterministic_mode
 from .reference import attention_reference, attention_reference_bwd
+
+_log = logging.getLogger("xattn")
 
 __all__ = ["ffpa_attention", "flash_attention", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd"]
 
@@ -144,6 +147,7 @@ def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
     route, budget = cfg.bwd_route
     choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
                                 (spec.window_left, spec.window_right), False, nk, route=route)
+    _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
     if choice.route == "gemm":
         from .gemm_bwd import gemm_backward
 
