@@ -14,7 +14,7 @@
 #   e2e-PART     benchmarks/e2e_gemma4.py --parts PART (torch or jax) -> $OUT/results/e2e_gemma4_h200.json, continuing
 #                benchmarks/results/e2e_gemma4_h200.json (E2E_SEQLENS, E2E_IMPLS narrow it)
 #   bwd-routes   benchmarks/bwd_routes.py (d512 backward: FFPA vs chunked GEMM; BWD_SEQLENS, BWD_FRAMEWORKS, BWD_DTYPES) -> $OUT/results/bwd_routes_h200.json
-#   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; autotuned vs default)
+#   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   memory       benchmarks/memory_growth.py (1,000 mixed calls in one process) -> $OUT/results/memory_growth_h200.json
 #   jax-probe    benchmarks/tools/jax_two_gpu_probe.py (2 GPUs; native stacks of a hang when .gpu/tools/py-spy.xz
 #                is carried) -> $OUT/probe.log
