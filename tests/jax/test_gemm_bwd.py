@@ -73,3 +73,14 @@ def test_route_through_ffpa_attention_grad(standin, monkeypatch):
                                    v.astype(jnp.float32), out.astype(jnp.float32), lse, scale=scale, causal=True)
     for x, r in zip(got, want):
         assert float(jnp.max(jnp.abs(x.astype(jnp.float32) - r))) < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r))))
+
+
+@pytest.mark.parametrize("bad", ["dout", "out", "lse"])
+def test_bad_buffers_are_named_before_any_launch(standin, bad):
+    q, k, v, dout = _inputs(1, 64, 64, 2, 1, 16, seed=0)
+    out, lse = q, jnp.zeros((1, 2, 64), jnp.float32)
+    args = dict(dout=dout, out=out, lse=lse)
+    args[bad] = args[bad][..., :-1] if bad != "lse" else args[bad].astype(jnp.float16)
+    with pytest.raises(ValueError, match=bad):
+        gb.gemm_backward(args["dout"], q, k, v, args["out"], args["lse"], softmax_scale=0.25, causal=True)
+    assert numpy_gemm.CALLS == []

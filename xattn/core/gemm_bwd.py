@@ -70,6 +70,8 @@ def env_route() -> str:
 
 
 def budget_bytes() -> int:
+    """``XATTN_GEMM_BWD_BUDGET_MIB`` in bytes (default 2048 MiB), validated: the cap on one block's
+    P (16-bit and fp32) and dS buffers."""
     raw = os.environ.get("XATTN_GEMM_BWD_BUDGET_MIB", str(DEFAULT_BUDGET_MIB))
     try:
         mib = int(raw)

@@ -66,11 +66,23 @@ def _gemm(kind: str, dtype: str, inputs, results, scale=None, d32=False, aliases
     return _ffi.call_gemm(spec, inputs, results, attrs, aliases or {})
 
 
+def _check_buffers(dout, q, out, lse) -> None:
+    """Named errors at trace time for the buffers q/k/v's checks do not cover (before any launch)."""
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != tuple(q.shape) or jnp.dtype(x.dtype) != jnp.dtype(q.dtype):
+            raise ValueError(f"{name}: expected shape {tuple(q.shape)} and dtype {q.dtype} (as q), "
+                             f"got {tuple(x.shape)} {x.dtype}")
+    b, n, h, _ = q.shape
+    if tuple(lse.shape) != (b, h, n) or jnp.dtype(lse.dtype) != jnp.dtype(jnp.float32):
+        raise ValueError(f"lse: expected shape {(b, h, n)} float32 ([B, Hq, Nq]), got {tuple(lse.shape)} {lse.dtype}")
+
+
 def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, rows: int | None = None,
                   budget: int | None = None):
     """dq ``[B, Nq, Hq, D]``, dk/dv ``[B, Nk, Hkv, D]`` from the given out/lse (lse fp32
     ``[B, Hq, Nq]``); causal is bottom-right aligned. ``rows`` overrides the block rows that
     ``budget`` (bytes; default ``XATTN_GEMM_BWD_BUDGET_MIB``) gives."""
+    _check_buffers(dout, q, out, lse)
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     g, L = Hq // Hkv, B * Hkv
