@@ -20,7 +20,8 @@
 #                is carried) -> $OUT/probe.log
 #   ring-PART    benchmarks/ring.py --parts PART (torch, jax or gemma; 2 GPUs) -> $OUT/results/ring_h200x2.json,
 #                continuing benchmarks/results/ring_h200x2.json (the other parts' rows are kept)
-# Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S).
+# Steps run in order; the whole call stops before the device tool's 600 s limit (BUDGET_S); STEP_S caps
+# each step (a step that may hang cannot eat the steps after it).
 # At most 8 files come back from $OUT: info.txt, gpu_tests.log, steps.log, probe.log, cache_list.txt,
 # results/*.json.
 # A kernel cache filled on the CPU machine (scripts/prefill_gpu_cache.py -> .gpu/kc, carried)
@@ -40,6 +41,7 @@ python -c "import sys; from xattn.core.info import report; print(sys.version.spl
 left() { echo $(( BUDGET_S - SECONDS )); }
 for step in "$@"; do
   t=$(left)
+  [ -n "${STEP_S:-}" ] && [ "$STEP_S" -lt "$t" ] && t=$STEP_S
   if [ "$t" -lt 20 ]; then echo "gpu_run: no time left for $step" | tee -a "$OUT/steps.log"; continue; fi
   echo "=== $step (${t} s left) ===" | tee -a "$OUT/steps.log"
   case "$step" in
@@ -65,7 +67,7 @@ for step in "$@"; do
     jax-probe) spy=""
             if [ -f .gpu/tools/py-spy.xz ]; then xz -dc .gpu/tools/py-spy.xz > /var/tmp/py-spy && chmod +x /var/tmp/py-spy \
               && spy="--py-spy /var/tmp/py-spy"; fi
-            timeout "$t" python benchmarks/tools/jax_two_gpu_probe.py --timeout "${PROBE_TIMEOUT:-45}" $spy ${PROBE_CASES:-} 2>&1 \
+            timeout "$t" python benchmarks/tools/jax_two_gpu_probe.py --timeout "${PROBE_TIMEOUT:-45}" $spy --repeat "${PROBE_REPEAT:-1}" ${PROBE_CASES:-} 2>&1 \
               | grep -v Warning > "$OUT/probe.log"; grep "probe" "$OUT/probe.log" | tail -20 ;;
     timing) timeout "$t" python benchmarks/tools/timing_method_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     ring-*) [ -f benchmarks/results/ring_h200x2.json ] && [ ! -f "$OUT/results/ring_h200x2.json" ] \

@@ -2,9 +2,13 @@
 timeout; a case that hangs gets every thread's Python stack (faulthandler) and, where py-spy is
 available (``--py-spy PATH``), its native stacks, then the next case runs.
 
-    python benchmarks/tools/jax_two_gpu_probe.py [--timeout 60] [--py-spy PATH] [CASE ...]
+    python benchmarks/tools/jax_two_gpu_probe.py [--timeout 60] [--py-spy PATH] [--repeat N] [CASE ...]
 
-Cases (default: all, in this order): see ``CASES``.
+Cases (default: all, in this order): see ``CASES``. A case name ending in ``-captured`` runs the case
+with the xattn targets command-buffer compatible on 2 GPUs (as before the fix in
+``xattn.jax._ffi.capture_allowed``); ``-nocmdbuf`` runs it with that too, but XLA's command buffers
+off (``--xla_gpu_enable_command_buffer=``). Where gdb is on the machine, a hung case also gets every
+native thread's stack.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +33,9 @@ CASES = {
     "batch-alias-noop": "batch-sharded aliased ffi_call of a Python no-op TVM-FFI function on 2 GPUs",
     "batch-bwd-eager": "batch-bwd with CUDA_MODULE_LOADING=EAGER",
     "batch-bwd-prewarm": "batch-bwd after running the backward once on each GPU alone",
+    "batch-bwd-g1-captured": "batch-bwd-g1 with the targets command-buffer compatible (as before the fix)",
+    "batch-bwd-g1-nocmdbuf": "batch-bwd-g1-captured with XLA's command buffers off",
+    "batch-bwd-captured": "batch-bwd with the targets command-buffer compatible (as before the fix)",
 }
 
 
@@ -40,6 +48,11 @@ def case(name: str) -> None:
 
     import xattn.jax as xj
 
+    if name.endswith(("-captured", "-nocmdbuf")):
+        from xattn.jax import _ffi
+
+        _ffi.capture_allowed = lambda platform="gpu": platform == "gpu"  # the behaviour before the fix
+        name = name.rsplit("-", 1)[0]
     d0, d1 = jax.devices()[:2]
     mesh = jax.sharding.Mesh(np.array([d0, d1]), ("x",))
 
@@ -106,6 +119,8 @@ def run_case(name: str, timeout: float, py_spy: str | None) -> str:
     env = dict(os.environ)
     if name == "batch-bwd-eager":
         env["CUDA_MODULE_LOADING"] = "EAGER"
+    if name.endswith("-nocmdbuf"):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, __file__, "--case", name, "--timeout", str(timeout)], env=env)
     try:
@@ -115,6 +130,8 @@ def run_case(name: str, timeout: float, py_spy: str | None) -> str:
         status = "HANG"
         if py_spy:
             subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)], timeout=60)
+        if shutil.which("gdb"):  # the XLA threads run no Python: only gdb shows where they wait
+            subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 25"], timeout=90)
         proc.kill()
         proc.wait()
     line = f"probe-case {name}: {status} in {time.perf_counter() - t0:.1f} s ({CASES[name]})"
@@ -127,13 +144,14 @@ def main():
     ap.add_argument("cases", nargs="*", default=list(CASES))
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--py-spy", default=None)
+    ap.add_argument("--repeat", type=int, default=1, help="run every case this many times (fresh processes)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         # A little before the parent gives up, print every Python thread's stack (stays in the log).
         faulthandler.dump_traceback_later(max(args.timeout - 10, 5), exit=False)
         return case(args.case)
-    lines = [run_case(name, args.timeout, args.py_spy) for name in args.cases]
+    lines = [run_case(name, args.timeout, args.py_spy) for name in args.cases for _ in range(args.repeat)]
     print("\n".join(["=== probe summary ===", *lines]), flush=True)
 
 

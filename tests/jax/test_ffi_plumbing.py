@@ -168,6 +168,24 @@ def test_gpu_targets_are_registered_command_buffer_compatible(monkeypatch):
     assert seen and all(kw["allow_cuda_graph"] and kw["platform"] == "gpu" for kw in seen.values())
 
 
+@pytest.mark.parametrize("gpus, allowed", [(0, True), (1, True), (2, False), (8, False)])
+def test_command_buffer_capture_only_with_one_visible_gpu(monkeypatch, gpus, allowed):
+    """With 2+ GPUs a launcher's first call loads onto every GPU under one lock; inside command-buffer
+    captures on two GPUs that deadlocked (2xH200), so the targets are registered capture-free there."""
+    from xattn.core import device
+
+    seen = {}
+    monkeypatch.setattr(device, "cuda_gpus", lambda: tuple(range(gpus)))
+    monkeypatch.setattr(_ffi, "_jax_tvm_ffi", lambda: type("M", (), {"register_ffi_target": staticmethod(
+        lambda name, function, **kw: seen.setdefault(name, kw))}))
+    monkeypatch.setattr(_ffi, "_registered", {})
+    _ffi.set_launcher_provider(lambda spec: (object(), "gpu"))
+    q, k, v = _qkv(6, (1, 8, 2, 128), (1, 8, 2, 128))
+    jax.make_jaxpr(jax.grad(lambda q, k, v: xj.flash_attention(q, k, v, causal=True, backend="kernel").sum()))(q, k, v)
+    assert len(seen) == 2 and all(kw["allow_cuda_graph"] is allowed for kw in seen.values())
+    assert _ffi.capture_allowed("cpu") is False
+
+
 def test_equivalent_mask_spellings_run_one_launcher():
     """causal + (4, None) is the window (4, 0), and the window (None, 0) is causal: the same kernel as torch and
     the core use (before: NotImplementedError, resp. a separate local-window launcher)."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import xattn.torch as xt
-from tests.reference import attention as ref_attention, rel_err
+from tests.reference import attention as ref_attention, attention_bwd as ref_attention_bwd, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -35,17 +35,28 @@ def _run(q, k, v, dout, causal):
 
 
 @pytest.mark.parametrize("d, g, causal", CONFIGS)
-def test_second_gpu_gives_first_gpus_bits(d, g, causal):
+def test_second_gpu_gives_first_gpus_results(d, g, causal):
+    """The forward's bits on both GPUs. The FFPA backward is deterministic: its bits too. The FA4
+    backward reduce-adds fp32 partials in any order (xattn.core.determinism), so its gradients on
+    either GPU are judged against fp64 instead: GPU 1 within 1.25x (+1e-4) of GPU 0's error."""
     host = _inputs(d, g)
     with torch.cuda.device(0):
         on0 = _run(*(t.to("cuda:0") for t in host), causal)
         on1 = _run(*(t.to("cuda:1") for t in host), causal)
         assert torch.cuda.current_device() == 0
-    for name, a, b in zip(("out", "dq", "dk", "dv"), on0, on1):
+    scale = d ** -0.5
+    q, k, v, dout = (t.double() for t in host)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=scale, causal=causal)
+    refs = (ref_out, *ref_attention_bwd(dout, q, k, v, ref_out, ref_lse, scale=scale, causal=causal))
+    deterministic = d > 256  # FFPA; FA4 covers d <= 256
+    for name, a, b, ref in zip(("out", "dq", "dk", "dv"), on0, on1, refs):
         assert b.device == torch.device("cuda:1"), name
-        assert torch.equal(a.cpu(), b.cpu()), f"{name}: cuda:1 differs from cuda:0"
-    ref, _ = ref_attention(*(t.double() for t in host[:3]), scale=d ** -0.5, causal=causal)
-    assert rel_err(on1[0].cpu(), ref) < 1e-2  # and the bits are right, not merely equal
+        err0, err1 = rel_err(a.cpu(), ref), rel_err(b.cpu(), ref)
+        assert err1 < 1e-2, f"{name}: error {err1:.2e} vs fp64 on cuda:1"
+        if name == "out" or deterministic:
+            assert torch.equal(a.cpu(), b.cpu()), f"{name}: cuda:1 differs from cuda:0"
+        else:
+            assert err1 <= 1.25 * err0 + 1e-4, f"{name}: cuda:1 error {err1:.2e} vs cuda:0 {err0:.2e}"
 
 
 @pytest.mark.parametrize("d, g, causal", CONFIGS)

@@ -14,9 +14,10 @@ Calling convention (launcher parameters are inputs first, then outputs and works
   (``jnp.full``); the others come from ``jax.lax.empty`` (XLA's ``AllocateBuffer`` on GPU:
   no memset), so e.g. FA4's large fp32 ``dq_accum`` is never zeroed for nothing.
 
-GPU targets are registered command-buffer compatible (``allow_cuda_graph``): the launchers
-only enqueue kernels on the stream XLA hands them (no allocation, no host sync), so XLA may
-capture them into CUDA graphs with the ops around them.
+GPU targets are registered command-buffer compatible (``allow_cuda_graph``) when the process
+sees one GPU: the launchers only enqueue kernels on the stream XLA hands them (no allocation,
+no host sync), so XLA may capture them into CUDA graphs with the ops around them. With two or
+more GPUs visible they run outside command buffers; :func:`capture_allowed` says why.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 
 from xattn.core.spec import KernelSpec
 
-__all__ = ["call", "call_gemm", "set_launcher_provider", "registered_targets", "check_pairing"]
+__all__ = ["call", "call_gemm", "set_launcher_provider", "registered_targets", "check_pairing", "capture_allowed"]
 
 _lock = threading.Lock()
 _registered: dict[str, object] = {}  # target name -> function (kept alive)
@@ -81,6 +82,24 @@ def set_launcher_provider(provider: Callable[[KernelSpec], tuple[object, str]] |
     _provider = provider
 
 
+def capture_allowed(platform: str = "gpu") -> bool:
+    """Whether XLA may capture the xattn targets into command buffers (CUDA graphs): on one visible GPU.
+
+    A CuTeDSL launcher loads its kernels onto *every* visible GPU the first time it runs, under one
+    process-wide lock (``cuda_dialect_init_library_once``). When XLA runs a program on two GPUs,
+    each GPU's thread may make that first call while capturing its command buffer; the thread that
+    holds the lock then waits to load onto the other GPU, whose capture is waiting for the lock: a
+    deadlock (seen on 2xH200: a batch-sharded ``jax.grad`` hung in 3 of 4 fresh processes,
+    ``benchmarks/tools/jax_two_gpu_probe.py``). Outside command buffers the load is an ordinary
+    call and nothing waits on a capture. The cost is a few microseconds of launch per call.
+    """
+    if platform != "gpu":
+        return False
+    from xattn.core.device import cuda_gpus
+
+    return len(cuda_gpus()) <= 1
+
+
 def _aliased(spec: KernelSpec, workspace) -> bool:
     return bool(spec.output_fill()) or any(fill is not None for *_, fill in workspace)
 
@@ -95,7 +114,7 @@ def _target(spec: KernelSpec, aliased: bool) -> str:
             jax_tvm_ffi = _jax_tvm_ffi()
             arg_spec = ["args", "attrs.softmax_scale"] if aliased else ["args", "rets", "attrs.softmax_scale"]
             jax_tvm_ffi.register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
-                                            allow_cuda_graph=platform == "gpu", pass_owned_tensor=platform == "cpu")
+                                            allow_cuda_graph=capture_allowed(platform), pass_owned_tensor=platform == "cpu")
             _registered[name] = function
     return name
 
@@ -159,7 +178,7 @@ def _gemm_target(spec, attr_names: tuple) -> str:
         if name not in _registered:
             arg_spec = ["args", "rets", *(f"attrs.{a}" for a in attr_names)]
             _jax_tvm_ffi().register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
-                                               allow_cuda_graph=platform == "gpu",
+                                               allow_cuda_graph=capture_allowed(platform),
                                                pass_owned_tensor=platform == "cpu")
             _registered[name] = function
     return name
