@@ -201,6 +201,10 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
 
 def jax_step(impl: str, n: int, iters: int) -> dict:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # With preallocation off, XLA's BFC allocator still stops at 75% of the GPU (JAX's GPU memory docs);
+    # torch's rows may use all of it, so the JAX rows get the same room (the new name and the old one).
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        os.environ.setdefault(name, "0.97")
     import jax
 
     step, params, ids, labels = build_jax_step(impl, n)
