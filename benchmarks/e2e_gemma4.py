@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -200,11 +201,11 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
 
 
 def jax_step(impl: str, n: int, iters: int) -> dict:
+    # Preallocation off: XLA's BFC allocator then stops at 75% of the GPU (JAX's GPU memory docs), so a
+    # JAX row has ~104 GiB of the H200's 139 where a torch row has all of it. Raising the fraction
+    # (XLA_CLIENT_MEM_FRACTION=0.97) made the 8k XLA and 32k xattn rows fail with an error that was
+    # not an out-of-memory report (2026-12-01); the rows are measured under the default limit.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    # With preallocation off, XLA's BFC allocator still stops at 75% of the GPU (JAX's GPU memory docs);
-    # torch's rows may use all of it, so the JAX rows get the same room (the new name and the old one).
-    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
-        os.environ.setdefault(name, "0.97")
     import jax
 
     step, params, ids, labels = build_jax_step(impl, n)
@@ -225,6 +226,13 @@ def _is_oom(text: str) -> bool:
     return any(s in text for s in ("OutOfMemoryError", "RESOURCE_EXHAUSTED", "out of memory", "Out of memory"))
 
 
+def _error_line(stderr: str) -> str:
+    """The line that names the failure: the last ``SomeError: ...`` / fatal-check line, else the last line."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.match(r"^([\w.]*(Error|Exception)|F\d{4} |Check failed)", ln)]
+    return (named or lines or ["?"])[-1]
+
+
 def measure(framework: str, impl: str, n: int, iters: int, timeout: float) -> dict:
     """One (impl, N) in a child process; returns the row (status "ok", "oom" or "error: ...")."""
     row = dict(framework=framework, impl=impl, seqlen=n, batch=1, layers=DIMS["layers"], iters=iters)
@@ -242,8 +250,7 @@ def measure(framework: str, impl: str, n: int, iters: int, timeout: float) -> di
     elif _is_oom(proc.stderr + proc.stdout):
         row.update(status="oom")
     else:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        row.update(status=f"error: {tail[:300]}")
+        row.update(status=f"error: {_error_line(proc.stderr)[:300]}")
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     return row
 

@@ -108,6 +108,16 @@ def test_e2e_gemma4_derive_speedup_and_attention_share():
     assert "oom" in table(rows)
 
 
+def test_e2e_gemma4_error_rows_name_the_failure_not_a_source_line():
+    from benchmarks.e2e_gemma4 import _error_line
+
+    tb = ('Traceback (most recent call last):\n  File "m.py", line 3\n    return rms(x)\n'
+          'jax.errors.JaxRuntimeError: INTERNAL: failed to launch\n----\nFor simplicity, JAX removed frames\n    return rms(x)\n')
+    assert _error_line(tb) == "jax.errors.JaxRuntimeError: INTERNAL: failed to launch"
+    assert _error_line("F1201 10:00:00 gpu.cc:12] Check failed: ok\n    at frame\n").startswith("F1201")
+    assert _error_line("no error line\n") == "no error line" and _error_line("") == "?"
+
+
 def test_bwd_routes_tables_pair_the_routes():
     from benchmarks.bwd_routes import markdown, markdown_jax
 
