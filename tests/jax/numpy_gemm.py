@@ -1,6 +1,7 @@
 """NumPy stand-ins for the chunked backward's GEMM launchers (xattn.core.gemm_sm90), registered on
-the CPU platform through jax_tvm_ffi: the same parameter order and math, so CI runs the JAX
-driver's blocks, padding, aliasing and FFI plumbing without a GPU."""
+the CPU platform through jax_tvm_ffi: the same parameter order, math and extents (the key-length
+operands may be longer than the block: only their first rows are read, and ``acc`` writes only
+D's first rows), so CI runs the JAX driver's blocks, padding, aliasing and FFI plumbing without a GPU."""
 
 from __future__ import annotations
 
@@ -22,26 +23,29 @@ def make(spec: GemmSpec):
         CALLS.append(spec.kind)
         if spec.kind == "probs_causal":
             a, b, rowbias, rowpos, colpos, d, p32, scale_log2, _ = args
-            x = np.einsum("lmk,lnk->lmn", _f(a), _f(b)) * float(scale_log2) + _f(rowbias)[:, :, None]
-            x = x - MASK_PENALTY * np.maximum(_f(colpos)[:, None, :] - _f(rowpos)[:, :, None], 0)
+            n = d.shape[2]
+            x = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, :n]) * float(scale_log2) + _f(rowbias)[:, :, None]
+            x = x - MASK_PENALTY * np.maximum(_f(colpos)[:, None, :n] - _f(rowpos)[:, :, None], 0)
             p = np.exp2(x)
             np.from_dlpack(p32)[...] = p
             np.from_dlpack(d)[...] = p
         elif spec.kind == "probs_full":
             a, b, rowbias, d, p32, scale_log2, _ = args
-            p = np.exp2(np.einsum("lmk,lnk->lmn", _f(a), _f(b)) * float(scale_log2) + _f(rowbias)[:, :, None])
+            s = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, : d.shape[2]])
+            p = np.exp2(s * float(scale_log2) + _f(rowbias)[:, :, None])
             np.from_dlpack(p32)[...] = p
             np.from_dlpack(d)[...] = p
         elif spec.kind == "grad_scores":
             a, b, p32, delta, d, scale, _ = args
-            dp = np.einsum("lmk,lnk->lmn", _f(a), _f(b))
+            dp = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, : d.shape[2]])
             np.from_dlpack(d)[...] = (dp - _f(delta)[:, :, None]) * _f(p32) * float(scale)
         elif spec.kind == "acc":
             x, y, c, d, _ = args
-            np.from_dlpack(d)[...] = np.einsum("lkm,lkn->lmn", _f(x), _f(y)) + _f(c)
+            m = x.shape[2]
+            np.from_dlpack(d)[:, :m] = np.einsum("lkm,lkn->lmn", _f(x), _f(y)) + _f(c)[:, :m]
         elif spec.kind == "mm_dq":
             x, y, d, _ = args
-            np.from_dlpack(d)[...] = np.einsum("lmk,lkn->lmn", _f(x), _f(y))
+            np.from_dlpack(d)[...] = np.einsum("lmk,lkn->lmn", _f(x), _f(y)[:, : x.shape[2]])
         else:
             x, y, d, _ = args
             np.from_dlpack(d)[...] = np.einsum("lkm,lkn->lmn", _f(x), _f(y))

@@ -9,20 +9,26 @@ signature, which this module compiles from the same quack kernel classes and the
 ================  ===========================================  ============================================
 kind              parameters (inputs, then outputs)            computes
 ================  ===========================================  ============================================
-``probs_causal``  A, B, rowbias, rowpos, colpos -> D, p32      ``S = A Bᵀ``; D = p32 = P (masked), scale_log2
+``probs_causal``  A, B, rowbias, rowpos, colpos -> D, p32      ``S = A B[:, :N]ᵀ``; D = p32 = P (masked)
 ``probs_full``    A, B, rowbias -> D, p32                      the same without the mask
-``grad_scores``   A, B, p32, delta -> D                        ``D = (A Bᵀ − δ) ⊙ p32 · scale``
-``acc``           X, Y, C -> D                                 ``D = Xᵀ Y + C`` (C fp32; D fp32 with d32)
-``mm_dq``         X, Y -> D                                    ``D = X Y``
+``grad_scores``   A, B, p32, delta -> D                        ``D = (A B[:, :N]ᵀ − δ) ⊙ p32 · scale``
+``acc``           X, Y, C -> D                                 ``D[:, :M] = Xᵀ Y + C[:, :M]`` (C fp32)
+``mm_dq``         X, Y -> D                                    ``D = X Y[:, :K]``
 ``mm_kv``         X, Y -> D                                    ``D = Xᵀ Y``
 ================  ===========================================  ============================================
 
 All tensors are batched over a leading L and cross in their natural row-major form (last dim
-contiguous, 16-byte aligned rows): A ``(L, M, K)``, B ``(L, N, K)``, X ``(L, K, M)`` or
-``(L, M, K)`` (``mm_dq``), Y ``(L, K, N)``, D/C/p32 ``(L, M, N)``, row vectors ``(L, M)``,
-colpos ``(L, N)``. After the tensors come the scalar (``scale_log2`` / ``scale``, fp32; none for
-the plain GEMMs) and ``max_active_clusters`` (Int32, :func:`max_active_clusters`); they run on
-the TVM-FFI environment stream. D is 16-bit (q's dtype) except for ``acc`` with ``d32``.
+contiguous, 16-byte aligned rows): A ``(L, M, K)``, B ``(L, Nb, K)``, X ``(L, K, M)`` or
+``(L, M, K)`` (``mm_dq``), Y ``(L, K, N)`` (``mm_dq``: ``(L, Kb, N)``), D/p32 ``(L, M, N)``,
+row vectors ``(L, M)``, colpos ``(L, Nb)``; ``acc``'s C and D are ``(L, Mc, N)``.
+The extents come from the block's own buffers (N from D, M from X, K from X), and the
+key-length operands (B, colpos, ``mm_dq``'s Y, ``acc``'s C/D) may be longer (``Nb, Kb, Mc >=``
+the extent): the launcher reads their first rows in place, so a caller passes whole K/V and
+whole fp32 accumulators instead of copying prefixes out for every block (XLA would). ``acc``
+writes only D's first M rows, so C and D may be one buffer (JAX aliases them). After the tensors
+come the scalar (``scale_log2`` / ``scale``, fp32; none for the plain GEMMs) and
+``max_active_clusters`` (Int32, :func:`max_active_clusters`); they run on the TVM-FFI
+environment stream. D is 16-bit (q's dtype) except for ``acc`` with ``d32``.
 Compile key: :class:`GemmSpec`; tile 128x192, cluster 2x1, pingpong, static persistent schedule.
 """
 
@@ -93,6 +99,13 @@ def _scheduler(max_clusters):
                                 tile_count_semaphore=None, ag=None, batch_idx_permute=None)
 
 
+def _prefix(t: cute.Tensor, dim: int, extent):
+    """The first ``extent`` entries of the rank-``len(t.shape)`` tensor ``t`` along ``dim``: a view
+    (same memory, same strides), traced inline."""
+    shape = tuple(extent if i == dim else t.shape[i] for i in range(len(t.shape)))
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=t.stride))
+
+
 class _Probs:
     def __init__(self, gemm, args_cls):
         self.gemm, self.args_cls = gemm, args_cls
@@ -101,8 +114,10 @@ class _Probs:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mRowBias: cute.Tensor, mRowPos: cute.Tensor,
                  mColPos: cute.Tensor, mD: cute.Tensor, mP32: cute.Tensor, scale_log2: Float32,
                  max_clusters: Int32, stream):
-        epi = self.args_cls(rowbias=mRowBias, rowpos=mRowPos, colpos=mColPos, scale_log2=scale_log2, p32=mP32)
-        self.gemm(mA, mB, mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+        n = mD.shape[2]
+        epi = self.args_cls(rowbias=mRowBias, rowpos=mRowPos, colpos=_prefix(mColPos, 1, n), scale_log2=scale_log2,
+                            p32=mP32)
+        self.gemm(mA, _prefix(mB, 1, n), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
 
 
 class _ProbsFull:
@@ -113,7 +128,7 @@ class _ProbsFull:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mRowBias: cute.Tensor, mD: cute.Tensor,
                  mP32: cute.Tensor, scale_log2: Float32, max_clusters: Int32, stream):
         epi = self.args_cls(rowbias=mRowBias, scale_log2=scale_log2, p32=mP32)
-        self.gemm(mA, mB, mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+        self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
 
 
 class _GradScores:
@@ -124,7 +139,7 @@ class _GradScores:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mP32: cute.Tensor, mDelta: cute.Tensor,
                  mD: cute.Tensor, scale: Float32, max_clusters: Int32, stream):
         epi = self.args_cls(p32=mP32, delta=mDelta, scale=scale)
-        self.gemm(mA, mB, mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+        self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
 
 
 class _Acc:
@@ -134,7 +149,9 @@ class _Acc:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor,
                  max_clusters: Int32, stream):
-        self.gemm(mX, mY, mD, mC, self.args_cls(), _scheduler(max_clusters), None, stream, None, None)
+        m = mX.shape[2]
+        self.gemm(mX, mY, _prefix(mD, 1, m), _prefix(mC, 1, m), self.args_cls(), _scheduler(max_clusters), None,
+                  stream, None, None)
 
 
 class _Mm:
@@ -144,6 +161,14 @@ class _Mm:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mD: cute.Tensor, max_clusters: Int32, stream):
         self.gemm(mX, mY, mD, None, self.args_cls(), _scheduler(max_clusters), None, stream, None, None)
+
+
+class _MmDq(_Mm):
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mD: cute.Tensor, max_clusters: Int32, stream):
+        # Y holds every key; X (L, M, K) says how many this block uses
+        self.gemm(mX, _prefix(mY, 1, mX.shape[2]), mD, None, self.args_cls(), _scheduler(max_clusters), None,
+                  stream, None, None)
 
 
 def _epi_class(kind: str):
@@ -178,23 +203,24 @@ def compile_gemm(spec: GemmSpec):
     gemm.cd_packed = None
     sym = cute.sym_int
     l, m, n, k = sym(), sym(), sym(), sym()
+    long = sym()  # the longer extent of B / colpos / mm_dq's Y / acc's C and D (a prefix is used)
     half = lambda x, y: make_fake_tensor(dt, (l, x, y), leading_dim=2, divisibility=8)  # noqa: E731
     f32 = lambda *shape: make_fake_tensor(Float32, (l, *shape), leading_dim=len(shape), divisibility=4)  # noqa: E731
     if spec.kind == "probs_causal":
         launcher = _Probs(gemm, cls.EpilogueArguments)
-        tensors = (half(m, k), half(n, k), f32(m), f32(m), f32(n), half(m, n), f32(m, n))
+        tensors = (half(m, k), half(long, k), f32(m), f32(m), f32(long), half(m, n), f32(m, n))
     elif spec.kind == "probs_full":
         launcher = _ProbsFull(gemm, cls.EpilogueArguments)
-        tensors = (half(m, k), half(n, k), f32(m), half(m, n), f32(m, n))
+        tensors = (half(m, k), half(long, k), f32(m), half(m, n), f32(m, n))
     elif spec.kind == "grad_scores":
         launcher = _GradScores(gemm, cls.EpilogueArguments)
-        tensors = (half(m, k), half(n, k), f32(m, n), f32(m), half(m, n))
+        tensors = (half(m, k), half(long, k), f32(m, n), f32(m), half(m, n))
     elif spec.kind == "acc":
         launcher = _Acc(gemm, cls.EpilogueArguments)
-        tensors = (half(k, m), half(k, n), f32(m, n), f32(m, n) if spec.d32 else half(m, n))
+        tensors = (half(k, m), half(k, n), f32(long, n), f32(long, n) if spec.d32 else half(long, n))
     elif spec.kind == "mm_dq":
-        launcher = _Mm(gemm, cls.EpilogueArguments)
-        tensors = (half(m, k), half(k, n), half(m, n))
+        launcher = _MmDq(gemm, cls.EpilogueArguments)
+        tensors = (half(m, k), half(long, n), half(m, n))
     else:
         launcher = _Mm(gemm, cls.EpilogueArguments)
         tensors = (half(k, m), half(k, n), half(m, n))

@@ -5,7 +5,9 @@ The layout glue is jnp (XLA fuses it); the GEMMs are the core's fixed-signature 
 ``k8`` keys (its causal limit rounded up to 8, so every row stride is 16-byte aligned); the keys
 past the limit (or past Nk: K/V are zero-padded to a multiple of 8) are masked by the
 epilogue's position test, so non-causal problems use it too, with every row at the last key.
-The fp32 dK/dV accumulators are threaded through the ``acc`` calls (input aliased to output).
+The launchers read the first rows of whole K/V and of the whole fp32 dK/dV accumulators
+(:mod:`xattn.core.gemm_sm90`), so no block copies a key prefix out or back: the accumulators are
+threaded through the ``acc`` calls whole (input aliased to output).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
         pos = jnp.full((Np,), Nk - 1, jnp.float32)
     rowpos = jnp.broadcast_to(jnp.repeat(pos.reshape(C, R), g, axis=1)[None], (L, C, R * g))
     colpos = jnp.broadcast_to(jnp.arange(nk8, dtype=jnp.float32)[None], (L, nk8))
+    assert p.blocks[-1][1] == Nk  # the last block's rows reach the last key (causal bottom-right too)
     f32 = jnp.float32
     dk_acc = dv_acc = None
     if C > 1:
@@ -118,25 +121,21 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
             dq_blocks.append(jnp.zeros((L, R * g, D), q.dtype))
             continue
         k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
-        kc, vc = kp[:, :k8], vp[:, :k8]
-        pb, p32 = _gemm("probs_causal", dt, [qp[:, c], kc, rowbias[:, c], rowpos[:, c], colpos[:, :k8]],
+        # whole kp / vp / colpos / accumulators: the launchers use their first k8 rows in place
+        pb, p32 = _gemm("probs_causal", dt, [qp[:, c], kp, rowbias[:, c], rowpos[:, c], colpos],
                         [((L, R * g, k8), q.dtype), ((L, R * g, k8), f32)], scale=scale_log2)
-        (dsb,) = _gemm("grad_scores", dt, [dop[:, c], vc, p32, delta[:, c]], [((L, R * g, k8), q.dtype)],
+        (dsb,) = _gemm("grad_scores", dt, [dop[:, c], vp, p32, delta[:, c]], [((L, R * g, k8), q.dtype)],
                        scale=softmax_scale)
         if C == 1:
             (dv,) = _gemm("mm_kv", dt, [pb, dop[:, c]], [((L, k8, D), q.dtype)])
             (dk,) = _gemm("mm_kv", dt, [dsb, qp[:, c]], [((L, k8, D), q.dtype)])
         elif c < C - 1:
-            (dva,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc[:, :k8]], [((L, k8, D), f32)], d32=True,
-                           aliases={2: 0})
-            (dka,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc[:, :k8]], [((L, k8, D), f32)], d32=True,
-                           aliases={2: 0})
-            dv_acc = dv_acc.at[:, :k8].set(dva)
-            dk_acc = dk_acc.at[:, :k8].set(dka)
-        else:  # the last block reaches the last key: it writes the 16-bit results
-            (dv,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc[:, :k8]], [((L, k8, D), q.dtype)])
-            (dk,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc[:, :k8]], [((L, k8, D), q.dtype)])
-        (dqc,) = _gemm("mm_dq", dt, [dsb, kc], [((L, R * g, D), q.dtype)])
+            (dv_acc,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc], [((L, nk8, D), f32)], d32=True, aliases={2: 0})
+            (dk_acc,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc], [((L, nk8, D), f32)], d32=True, aliases={2: 0})
+        else:  # the last block reaches the last key (k8 == nk8): it writes the 16-bit results
+            (dv,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc], [((L, nk8, D), q.dtype)])
+            (dk,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc], [((L, nk8, D), q.dtype)])
+        (dqc,) = _gemm("mm_dq", dt, [dsb, kp], [((L, R * g, D), q.dtype)])
         dq_blocks.append(dqc)
     dq = _blocks_to_rows(jnp.stack(dq_blocks, axis=1), B, Nq, Hq, R)
     unblock = lambda x: x[:, :Nk].reshape(B, Hkv, Nk, D).transpose(0, 2, 1, 3)  # noqa: E731
