@@ -1,6 +1,7 @@
 """d512 backward routes (issue #14): FFPA's fused backward vs the chunked-GEMM backward.
 
-    python benchmarks/bwd_routes.py [--seqlens 8192,16384] [--out benchmarks/results/bwd_routes_h200.json]
+    python benchmarks/bwd_routes.py [--seqlens 8192,16384] [--frameworks torch,jax] [--dtypes bfloat16,float16]
+        [--routes ffpa,gemm] [--shapes 32/4/causal,16/16/full,16/16/causal] [--out benchmarks/results/bwd_routes_h200.json]
 
 Shapes: the issue's three target rows (B1, d512): Hq32/Hkv4 causal (Gemma 4 global layers),
 Hq16/Hkv16 non-causal, Hq16/Hkv16 causal; bf16 and fp16. Per (shape, N, dtype, route):
@@ -31,6 +32,11 @@ from benchmarks.bench import bench_ms, flops  # noqa: E402
 
 SHAPES = ((32, 4, True), (16, 16, False), (16, 16, True))
 TARGETS = {(32, 4, True): 400, (16, 16, False): 450, (16, 16, True): 400}  # fwd+bwd TFLOP/s, N >= 8k
+
+
+def shape_name(shape) -> str:
+    hq, hkv, causal = shape
+    return f"{hq}/{hkv}/{'causal' if causal else 'full'}"
 
 
 def log(msg: str) -> None:
@@ -129,14 +135,21 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="8192,16384")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--routes", default="ffpa,gemm")
+    ap.add_argument("--shapes", default=",".join(shape_name(s) for s in SHAPES),
+                    help="Hq/Hkv/causal|full, comma-separated (the issue's three rows by default)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     rows = []
     frameworks = args.frameworks.split(",")
-    for hq, hkv, causal in SHAPES:
+    wanted = args.shapes.split(",")
+    unknown = set(wanted) - {shape_name(s) for s in SHAPES}
+    if unknown:
+        ap.error(f"--shapes: unknown {sorted(unknown)}; known: {[shape_name(s) for s in SHAPES]}")
+    for hq, hkv, causal in (s for s in SHAPES if shape_name(s) in wanted):
         for n in (int(x) for x in args.seqlens.split(",")):
             for dt in args.dtypes.split(","):
-                for route in ("ffpa", "gemm"):
+                for route in args.routes.split(","):
                     got = measure(hq, hkv, causal, n, getattr(torch, dt), route) if "torch" in frameworks else []
                     if "jax" in frameworks:
                         got += measure_jax(hq, hkv, causal, n, dt, route)
