@@ -131,7 +131,7 @@ def run_case(name: str, timeout: float, py_spy: str | None) -> str:
         if py_spy:
             subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)], timeout=60)
         if shutil.which("gdb"):  # the XLA threads run no Python: only gdb shows where they wait
-            subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 25"], timeout=90)
+            subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 25"], timeout=45)
         proc.kill()
         proc.wait()
     line = f"probe-case {name}: {status} in {time.perf_counter() - t0:.1f} s ({CASES[name]})"
