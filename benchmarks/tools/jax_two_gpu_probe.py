@@ -115,6 +115,14 @@ def case(name: str) -> None:
         raise SystemExit(f"unknown case {name}")
 
 
+def _dump(cmd: list[str], timeout: float) -> None:
+    """Run a stack dumper; one that hangs itself is cut off, and the probe goes on."""
+    try:
+        subprocess.run(cmd, timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        print(f"probe: {cmd[0]} gave no dump ({type(exc).__name__})", flush=True)
+
+
 def run_case(name: str, timeout: float, py_spy: str | None) -> str:
     env = dict(os.environ)
     if name == "batch-bwd-eager":
@@ -129,9 +137,9 @@ def run_case(name: str, timeout: float, py_spy: str | None) -> str:
     except subprocess.TimeoutExpired:
         status = "HANG"
         if py_spy:
-            subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)], timeout=60)
+            _dump([py_spy, "dump", "--native", "--pid", str(proc.pid)], 60)
         if shutil.which("gdb"):  # the XLA threads run no Python: only gdb shows where they wait
-            subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 25"], timeout=45)
+            _dump(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 25"], 45)
         proc.kill()
         proc.wait()
     line = f"probe-case {name}: {status} in {time.perf_counter() - t0:.1f} s ({CASES[name]})"
