@@ -84,3 +84,23 @@ def test_bad_buffers_are_named_before_any_launch(standin, bad):
     with pytest.raises(ValueError, match=bad):
         gb.gemm_backward(args["dout"], q, k, v, args["out"], args["lse"], softmax_scale=0.25, causal=True)
     assert numpy_gemm.CALLS == []
+
+
+def test_blocks_pass_whole_keys_and_accumulators(standin):
+    """The launchers read the first rows of whole K/V and accumulators in place: the traced backward
+    slices no key prefix out for a GEMM and writes no accumulator prefix back (each would be an XLA copy
+    of B·Hkv·k8·D elements per block)."""
+    q, k, v, dout = _inputs(1, 256, 256, 4, 2, 32, seed=3)
+    out, lse = attention_reference(q, k, v, scale=0.2, causal=True)
+    jaxpr = jax.make_jaxpr(lambda *a: gb.gemm_backward(*a, softmax_scale=0.2, causal=True, rows=64))(
+        dout, q, k, v, out.astype(q.dtype), lse)
+    prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert "dynamic_update_slice" not in prims and "scatter" not in prims, sorted(set(prims))
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "ffi_call"]
+    keyed = [e for e in calls if any(str(e.params.get("target_name", "")).find(kind) >= 0
+                                     for kind in ("probs_causal", "grad_scores", "mm_dq", "_acc_"))]
+    assert len(keyed) == 4 * 3 + 4 * 2  # 4 blocks x (probs, grad_scores, mm_dq) and 2 accs each
+    nk8 = 256
+    for e in keyed:
+        shapes = [tuple(x.aval.shape) for x in e.invars]
+        assert any(s[1] == nk8 for s in shapes if len(s) == 3 and s[-1] == 32), (e.params["target_name"], shapes)
