@@ -89,7 +89,7 @@ def capture_allowed(platform: str = "gpu") -> bool:
     process-wide lock (``cuda_dialect_init_library_once``). When XLA runs a program on two GPUs,
     each GPU's thread may make that first call while capturing its command buffer; the thread that
     holds the lock then waits to load onto the other GPU, whose capture is waiting for the lock: a
-    deadlock (seen on 2xH200: a batch-sharded ``jax.grad`` hung in 3 of 4 fresh processes,
+    deadlock (seen on 2xH200: a batch-sharded ``jax.grad`` hung in 2 of 3 fresh processes,
     ``benchmarks/tools/jax_two_gpu_probe.py``). Outside command buffers the load is an ordinary
     call and nothing waits on a capture. The cost is a few microseconds of launch per call.
     """
