@@ -60,6 +60,15 @@ def test_rows_follow_the_budget():
     assert gb.plan(1, 100, 8192, 32, True, budget=2048 * mib).rows == 128  # never past the query length
 
 
+def test_causal_blocks_stay_short_noncausal_follow_the_budget():
+    """The diagonal square of a causal block is computed whole: blocks stop at CAUSAL_MAX_ROWS."""
+    mib = 1 << 20
+    assert gb.plan(1, 8192, 8192, 16, True, budget=2048 * mib).rows == gb.CAUSAL_MAX_ROWS == 1024
+    assert gb.plan(1, 8192, 8192, 16, False, budget=2048 * mib).rows == 2048
+    assert gb.plan(1, 8192, 8192, 4, True, budget=2048 * mib).rows == 1024
+    assert gb.plan(1, 8192, 8192, 4, False, budget=2048 * mib).rows == 8192
+
+
 def test_workspace_bound_counts_every_buffer():
     b, nq, nk, hq, hkv, d = 1, 8192, 8192, 32, 4, 512
     p = gb.plan(b, nq, nk, hq, True, budget=2048 << 20)

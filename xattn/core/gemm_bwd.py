@@ -43,6 +43,10 @@ ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
 BYTES_PER_SCORE = 8  # P (16-bit) + P (fp32) + dS (16-bit) per query-row x key element of a block
 MIN_BLOCK_ROWS = 64
+# Causal: a block computes its diagonal rows x rows square whole, so longer blocks waste ~rows/N of
+# the work. H200, d512 Hq16/Hkv16 causal N 8k bf16 fwd+bwd (benchmarks/results/bwd_routes_h200.json):
+# rows 2048 (the budget's) -> 1024: torch 356.1 -> 384.1 TFLOP/s, JAX 407.9 -> 411.9.
+CAUSAL_MAX_ROWS = 1024
 ROW_ALIGN = 8  # P / dS / colpos row strides are padded to 8 elements (16-byte TMA strides)
 
 # Measured on the H200 (benchmarks/results/gemm_bwd_proto_h200.json: the prototype of this route,
@@ -147,12 +151,15 @@ class GemmBwdPlan:
 
 def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
          budget: int | None = None, rows: int | None = None) -> GemmBwdPlan:
-    """Block rows from the budget (P, fp32 P and dS of one block fit ``budget`` bytes) and each
-    block's key limit ``kend`` (bottom-right causal: row i sees keys ``j <= i + Nk - Nq``)."""
+    """Block rows from the budget (P, fp32 P and dS of one block fit ``budget`` bytes; causal:
+    at most :data:`CAUSAL_MAX_ROWS`) and each block's key limit ``kend`` (bottom-right causal:
+    row i sees keys ``j <= i + Nk - Nq``)."""
     budget = budget_bytes() if budget is None else budget
     keys_stride = _align(max(seqlen_k, 1), ROW_ALIGN)
     if rows is None:
         rows = budget // (BYTES_PER_SCORE * batch * heads_q * keys_stride)
+        if causal:
+            rows = min(rows, CAUSAL_MAX_ROWS)
         rows = max(MIN_BLOCK_ROWS, rows // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS)
         rows = min(rows, _align(max(seqlen_q, 1), MIN_BLOCK_ROWS))
     num_blocks = -(-seqlen_q // rows)
