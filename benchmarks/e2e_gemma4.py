@@ -201,11 +201,12 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
 
 
 def jax_step(impl: str, n: int, iters: int) -> dict:
-    # Preallocation off: XLA's BFC allocator then stops at 75% of the GPU (JAX's GPU memory docs), so a
-    # JAX row has ~104 GiB of the H200's 139 where a torch row has all of it. Raising the fraction
-    # (XLA_CLIENT_MEM_FRACTION=0.97) made the 8k XLA and 32k xattn rows fail with an error that was
-    # not an out-of-memory report (2026-12-01); the rows are measured under the default limit.
+    # Preallocation off: XLA's BFC allocator then stops at 75% of the GPU (JAX's GPU memory docs), ~104 GiB
+    # of the H200's 139, where torch's rows may use all of it; the 32k step needs ~115 GiB. So the JAX
+    # children get 90% unless the caller chose a fraction (jax refuses the new and the old name together).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if "XLA_CLIENT_MEM_FRACTION" not in os.environ and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.9"
     import jax
 
     step, params, ids, labels = build_jax_step(impl, n)
