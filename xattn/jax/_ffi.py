@@ -92,6 +92,8 @@ def capture_allowed(platform: str = "gpu") -> bool:
     deadlock (seen on 2xH200: a batch-sharded ``jax.grad`` hung in 2 of 3 fresh processes,
     ``benchmarks/tools/jax_two_gpu_probe.py``). Outside command buffers the load is an ordinary
     call and nothing waits on a capture. The cost is a few microseconds of launch per call.
+    The mechanism is read from the runtime's code and the probe; the probe's ``-captured`` /
+    ``-nocmdbuf`` cases confirm it on 2 GPUs (not yet run).
     """
     if platform != "gpu":
         return False
@@ -104,6 +106,13 @@ def _aliased(spec: KernelSpec, workspace) -> bool:
     return bool(spec.output_fill()) or any(fill is not None for *_, fill in workspace)
 
 
+def _register(name: str, function, arg_spec: list, platform: str) -> None:
+    """Register ``function`` as XLA FFI target ``name`` (caller holds ``_lock``) and keep it alive."""
+    _jax_tvm_ffi().register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
+                                       allow_cuda_graph=capture_allowed(platform), pass_owned_tensor=platform == "cpu")
+    _registered[name] = function
+
+
 def _target(spec: KernelSpec, aliased: bool) -> str:
     function, platform = (_provider or _default_provider)(spec)
     name = f"{spec.target_name()}_{platform}" + ("_aliased" if aliased else "")
@@ -111,11 +120,8 @@ def _target(spec: KernelSpec, aliased: bool) -> str:
         return name
     with _lock:
         if name not in _registered:
-            jax_tvm_ffi = _jax_tvm_ffi()
             arg_spec = ["args", "attrs.softmax_scale"] if aliased else ["args", "rets", "attrs.softmax_scale"]
-            jax_tvm_ffi.register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
-                                            allow_cuda_graph=capture_allowed(platform), pass_owned_tensor=platform == "cpu")
-            _registered[name] = function
+            _register(name, function, arg_spec, platform)
     return name
 
 
@@ -176,11 +182,7 @@ def _gemm_target(spec, attr_names: tuple) -> str:
         return name
     with _lock:
         if name not in _registered:
-            arg_spec = ["args", "rets", *(f"attrs.{a}" for a in attr_names)]
-            _jax_tvm_ffi().register_ffi_target(name, function, arg_spec=arg_spec, platform=platform,
-                                               allow_cuda_graph=capture_allowed(platform),
-                                               pass_owned_tensor=platform == "cpu")
-            _registered[name] = function
+            _register(name, function, ["args", "rets", *(f"attrs.{a}" for a in attr_names)], platform)
     return name
 
 
