@@ -23,7 +23,8 @@ contiguous, 16-byte aligned rows): A ``(L, M, K)``, B ``(L, Nb, K)``, X ``(L, K,
 row vectors ``(L, M)``, colpos ``(L, Nb)``; ``acc``'s C and D are ``(L, Mc, N)``.
 The extents come from the block's own buffers (N from D, M from X, K from X), and the
 key-length operands (B, colpos, ``mm_dq``'s Y, ``acc``'s C/D) may be longer (``Nb, Kb, Mc >=``
-the extent): the launcher reads their first rows in place, so a caller passes whole K/V and
+the extent; the launcher does not check that, a shorter one is read past its end, so callers go
+through :mod:`xattn.jax.gemm_bwd` or keep to it): the launcher reads their first rows in place, so a caller passes whole K/V and
 whole fp32 accumulators instead of copying prefixes out for every block (XLA would). ``acc``
 writes only D's first M rows, so C and D may be one buffer (JAX aliases them). After the tensors
 come the scalar (``scale_log2`` / ``scale``, fp32; none for the plain GEMMs) and
