@@ -1,5 +1,5 @@
 """The JAX driver of the chunked-GEMM backward on the CPU: the real FFI plumbing with NumPy stand-ins
-for the GEMM launchers (tests/jax/numpy_gemm.py), vs the fp64 reference backward."""
+for the GEMM launchers (tests/numpy_gemm.py), vs the fp64 reference backward."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from tests.jax import numpy_gemm, numpy_launcher  # noqa: E402
+from tests import numpy_gemm  # noqa: E402
+from tests.jax import numpy_launcher  # noqa: E402
 from xattn.jax import _ffi  # noqa: E402
 from xattn.jax import gemm_bwd as gb  # noqa: E402
 from xattn.jax.reference import attention_reference, attention_reference_bwd  # noqa: E402

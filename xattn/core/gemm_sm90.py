@@ -1,8 +1,8 @@
 """Fixed-signature launchers of the chunked-GEMM backward's GEMMs (quack sm90), for DLPack callers.
 
-:mod:`xattn.torch` drives quack's GEMMs through quack's own torch interface; everything else
-(XLA FFI targets of :mod:`xattn.jax`, DLPack users) needs functions with a flat, fixed
-signature, which this module compiles from the same quack kernel classes and the epilogues of
+:mod:`xattn.torch` (torch views through TVM-FFI) and :mod:`xattn.jax` (XLA FFI targets) both
+call these; so can DLPack users. They need functions with a flat, fixed signature, which this
+module compiles from quack's kernel classes and the epilogues of
 :mod:`xattn.core.gemm_bwd_epilogues`. Each launcher is one batched GEMM ``D[l] = A[l] @ B[l]ᵀ``
 (+ its epilogue) with the shapes of one step of :mod:`xattn.core.gemm_bwd`:
 
@@ -24,7 +24,7 @@ row vectors ``(L, M)``, colpos ``(L, Nb)``; ``acc``'s C and D are ``(L, Mc, N)``
 The extents come from the block's own buffers (N from D, M from X, K from X), and the
 key-length operands (B, colpos, ``mm_dq``'s Y, ``acc``'s C/D) may be longer (``Nb, Kb, Mc >=``
 the extent; the launcher does not check that, a shorter one is read past its end, so callers go
-through :mod:`xattn.jax.gemm_bwd` or keep to it): the launcher reads their first rows in place, so a caller passes whole K/V and
+through the drivers :mod:`xattn.torch.gemm_bwd` / :mod:`xattn.jax.gemm_bwd` or keep to it): the launcher reads their first rows in place, so a caller passes whole K/V and
 whole fp32 accumulators instead of copying prefixes out for every block (XLA would). ``acc``
 writes only D's first M rows, so C and D may be one buffer (JAX aliases them). After the tensors
 come the scalar (``scale_log2`` / ``scale``, fp32; none for the plain GEMMs) and

@@ -2,8 +2,12 @@
 
 :func:`gemm_backward` takes dense ``[B, N, H, D]`` tensors and returns ``(dq, dk, dv)``, contiguous,
 in q's dtype. The layout glue (query rows of a KV head's query heads stacked per block, δ,
-fp32 -> 16-bit) runs as torch ops; the five GEMMs per block are quack sm90 GEMMs with the fused
-epilogues of :mod:`xattn.core.gemm_bwd_epilogues`. Scratch: :func:`xattn.core.gemm_bwd.workspace_bytes`.
+fp32 -> 16-bit) runs as torch ops; the five GEMMs per block are the core's fixed-signature quack
+launchers (:mod:`xattn.core.gemm_sm90`, the same ones :mod:`xattn.jax` calls through XLA FFI), called
+on torch's current stream with torch views: whole K/V and whole fp32 dK/dV accumulators (the
+launchers read the block's prefix in place), P/dS as ``kend``-wide views of one block buffer,
+and the last block writes dk/dv straight into their ``[B, Nk, Hkv, D]`` layout.
+Scratch: :func:`xattn.core.gemm_bwd.workspace_bytes`.
 """
 
 from __future__ import annotations
@@ -15,75 +19,68 @@ from torch import Tensor
 
 from xattn.core import gemm_bwd as plan_mod
 
-__all__ = ["gemm_backward", "QuackGemms", "TorchGemms"]
+__all__ = ["gemm_backward", "CoreGemms"]
 
 LOG2E = 1.4426950408889634
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class QuackGemms:
-    """The four GEMM kinds of a block on quack's sm90 GEMMs (the default per-arch config)."""
+def _core_launcher(spec):
+    from xattn.core.cache import get_launcher
 
-    def __init__(self):
-        from quack import gemm_interface
+    return get_launcher(spec).function
 
-        from xattn.core import gemm_bwd_epilogues as epi
 
-        self._gi, self._epi = gemm_interface, epi
+class CoreGemms:
+    """The GEMM steps of a block on the core's launchers (:mod:`xattn.core.gemm_sm90`), in their
+    parameter order: inputs, outputs, scalar, ``max_active_clusters``.
 
-    def probs(self, a, b, p, p32, rowbias, rowpos, colpos, scale_log2, causal):
-        out = {"D": p, "p32": p32}
+    ``launcher(spec) -> callable`` defaults to the compiled launcher of the core cache (tests pass
+    stand-ins). ``num_sms`` is the GPU's SM count (it sizes the persistent schedule)."""
+
+    def __init__(self, dtype: torch.dtype, num_sms: int, launcher=None):
+        from xattn.core.gemm_sm90 import max_active_clusters
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"the GEMM backward runs float16/bfloat16, got {dtype}")
+        self._dtype, self._clusters = _DTYPES[dtype], max_active_clusters(num_sms)
+        self._launcher = launcher or _core_launcher
+        self._fns: dict = {}
+
+    def _fn(self, kind: str, d32: bool = False):
+        fn = self._fns.get((kind, d32))
+        if fn is None:
+            from xattn.core.gemm_sm90 import GemmSpec
+
+            fn = self._fns[kind, d32] = self._launcher(GemmSpec(kind, self._dtype, d32))
+        return fn
+
+    def probs(self, q, keys, p, p32, rowbias, rowpos, colpos, scale_log2: float, causal: bool) -> None:
+        """``p``/``p32`` ``(L, M, n)`` = P of ``q (L, M, D)`` against the first n rows of ``keys``."""
         if causal:
-            self._epi.probs_causal(a, b, out=out, rowbias=rowbias, rowpos=rowpos, colpos=colpos,
-                                   scale_log2=scale_log2, tuned=False)
+            self._fn("probs_causal")(q, keys, rowbias, rowpos, colpos, p, p32, scale_log2, self._clusters)
         else:
-            self._epi.probs_full(a, b, out=out, rowbias=rowbias, scale_log2=scale_log2, tuned=False)
+            self._fn("probs_full")(q, keys, rowbias, p, p32, scale_log2, self._clusters)
 
-    def grad_scores(self, a, b, ds, p32, delta, scale):
-        self._epi.grad_scores(a, b, out={"D": ds}, p32=p32, delta=delta, scale=scale, tuned=False)
+    def grad_scores(self, dout, values, ds, p32, delta, scale: float) -> None:
+        """``ds (L, M, n) = (dout · values[:, :n]ᵀ − δ) ⊙ p32 · scale``."""
+        self._fn("grad_scores")(dout, values, p32, delta, ds, scale, self._clusters)
 
-    def add_into(self, a, b, acc):
-        self._gi.gemm_add_inplace(a, b, acc, tuned=False)
+    def add_into(self, x, y, acc) -> None:
+        """``acc[:, :m] += xᵀ y`` in place (x ``(L, K, m)``, acc fp32 ``(L, >= m, N)``)."""
+        self._fn("acc", True)(x, y, acc, acc, self._clusters)
 
-    def add_to(self, a, b, c, out):
-        self._gi.gemm_add(a, b, c, out=out, tuned=False)
+    def add_to(self, x, y, c, out) -> None:
+        """``out = xᵀ y + c`` (c fp32, out 16-bit, the same ``(L, m, N)``)."""
+        self._fn("acc")(x, y, c, out, self._clusters)
 
-    def mm(self, a, b, out):
-        self._gi.gemm_out(a, b, out, tuned=False)
+    def mm_kv(self, x, y, out) -> None:
+        """``out = xᵀ y``."""
+        self._fn("mm_kv")(x, y, out, self._clusters)
 
-
-class TorchGemms:
-    """The same four GEMM kinds as fp32 torch matmuls: a reference that runs anywhere (tests)."""
-
-    def probs(self, a, b, p, p32, rowbias, rowpos, colpos, scale_log2, causal):
-        x = torch.matmul(a.float(), b.float()) * scale_log2 + rowbias[..., :, None]
-        if causal:
-            from xattn.core.gemm_bwd_epilogues import MASK_PENALTY
-
-            x = x - MASK_PENALTY * torch.relu(colpos[..., None, :] - rowpos[..., :, None])
-        p32.copy_(torch.exp2(x))
-        p.copy_(p32)
-
-    def grad_scores(self, a, b, ds, p32, delta, scale):
-        ds.copy_((torch.matmul(a.float(), b.float()) - delta[..., :, None]) * p32 * scale)
-
-    def add_into(self, a, b, acc):
-        acc.add_(torch.matmul(a.float(), b.float()))
-
-    def add_to(self, a, b, c, out):
-        out.copy_(torch.matmul(a.float(), b.float()) + c)
-
-    def mm(self, a, b, out):
-        out.copy_(torch.matmul(a.float(), b.float()))
-
-
-_QUACK: QuackGemms | None = None
-
-
-def _quack() -> QuackGemms:
-    global _QUACK
-    if _QUACK is None:
-        _QUACK = QuackGemms()
-    return _QUACK
+    def mm_dq(self, x, y, out) -> None:
+        """``out = x · y[:, :K]`` (x ``(L, M, K)``)."""
+        self._fn("mm_dq")(x, y, out, self._clusters)
 
 
 def _rows_to_blocks(x: Tensor, hkv: int, rows: int, padded: int) -> Tensor:
@@ -116,6 +113,16 @@ def _blocks_to_rows(xp: Tensor, out: Tensor, rows: int) -> None:
         out[:, full * rows:].view(b, rest, hkv, g * d).copy_(x5[:, :, full, :rest].transpose(1, 2))
 
 
+def _keys_to_blocks(x: Tensor, padded: int) -> Tensor:
+    """``[B, Nk, Hkv, D]`` -> ``[B*Hkv, padded, D]`` with zero rows from Nk on (the launchers' key
+    operands and ``colpos`` share one length)."""
+    b, n, h, d = x.shape
+    out = torch.empty(b, h, padded, d, device=x.device, dtype=x.dtype)
+    out[:, :, :n].copy_(x.transpose(1, 2))
+    out[:, :, n:].zero_()
+    return out.view(b * h, padded, d)
+
+
 def _vec_to_blocks(x: Tensor, hkv: int, rows: int, padded: int, fill: float) -> Tensor:
     """``[B, Hq, N]`` fp32 -> ``[B*Hkv, C, rows*g]`` in :func:`_rows_to_blocks`' row order
     (padded rows hold ``fill``); always row-contiguous, as quack's TMA needs."""
@@ -144,22 +151,22 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     """dq ``[B, Nq, Hq, D]``, dk/dv ``[B, Nk, Hkv, D]`` (summed over each GQA group) from the given
     out/lse (lse fp32 ``[B, Hq, Nq]``, natural log; ``-inf`` rows contribute nothing).
 
-    Causal is bottom-right aligned. ``gemms`` defaults to quack's GEMMs; ``rows`` overrides the
-    block rows that the budget (``XATTN_GEMM_BWD_BUDGET_MIB``) gives.
+    Causal is bottom-right aligned. ``gemms`` defaults to :class:`CoreGemms` on q's GPU; ``rows``
+    overrides the block rows that the budget (``XATTN_GEMM_BWD_BUDGET_MIB``) gives.
     """
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     g, L = Hq // Hkv, B * Hkv
     dev, dt = q.device, q.dtype
-    gemms = _quack() if gemms is None else gemms
+    if gemms is None:
+        gemms = CoreGemms(dt, torch.cuda.get_device_properties(dev).multi_processor_count)
     p = plan_mod.plan(B, Nq, Nk, Hq, causal, rows=rows)
     R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
     shift = Nk - Nq
 
     qp = _rows_to_blocks(q, Hkv, R, Np)
     dop = _rows_to_blocks(dout, Hkv, R, Np)
-    kp = k.permute(0, 2, 1, 3).reshape(L, Nk, D)
-    vp = v.permute(0, 2, 1, 3).reshape(L, Nk, D)
+    kp, vp = _keys_to_blocks(k, nk8), _keys_to_blocks(v, nk8)
     rowbias = _vec_to_blocks(torch.where(torch.isfinite(lse), lse * -LOG2E, -math.inf), Hkv, R, Np, -math.inf)
     delta = _vec_to_blocks(_delta(dout, out), Hkv, R, Np, 0.0)
     pos = torch.arange(Np, device=dev, dtype=torch.float32) + shift
@@ -184,22 +191,22 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
         view = lambda buf: buf[: L * g * R * k8].view(L, g * R, k8)[:, :, :kend]  # noqa: E731
         pb, dsb, p32 = view(p_buf), view(ds_buf), view(p32_buf)
-        gemms.probs(qp[:, c], kp[:, :kend].mT, pb, p32, rowbias[:, c], rowpos[:, c], colpos[:, :kend],
-                    scale_log2, causal)
-        gemms.grad_scores(dop[:, c], vp[:, :kend].mT, dsb, p32, delta[:, c], softmax_scale)
+        # whole kp / vp / colpos / accumulators: the launchers use their first kend rows in place
+        gemms.probs(qp[:, c], kp, pb, p32, rowbias[:, c], rowpos[:, c], colpos, scale_log2, causal)
+        gemms.grad_scores(dop[:, c], vp, dsb, p32, delta[:, c], softmax_scale)
         if c < C - 1:
-            gemms.add_into(pb.mT, dop[:, c], dv_acc[:, :kend])
-            gemms.add_into(dsb.mT, qp[:, c], dk_acc[:, :kend])
+            gemms.add_into(pb, dop[:, c], dv_acc)
+            gemms.add_into(dsb, qp[:, c], dk_acc)
         else:  # the last block sees every key (kend == Nk): it writes dk/dv in their final layout
             for b in range(B):
                 ls = slice(b * Hkv, (b + 1) * Hkv)
                 if C > 1:
-                    gemms.add_to(pb[ls].mT, dop[ls, c], dv_acc[ls], dv[b].transpose(0, 1))
-                    gemms.add_to(dsb[ls].mT, qp[ls, c], dk_acc[ls], dk[b].transpose(0, 1))
+                    gemms.add_to(pb[ls], dop[ls, c], dv_acc[ls], dv[b].transpose(0, 1))
+                    gemms.add_to(dsb[ls], qp[ls, c], dk_acc[ls], dk[b].transpose(0, 1))
                 else:
-                    gemms.mm(pb[ls].mT, dop[ls, c], dv[b].transpose(0, 1))
-                    gemms.mm(dsb[ls].mT, qp[ls, c], dk[b].transpose(0, 1))
-        gemms.mm(dsb, kp[:, :kend], dqp[:, c])
+                    gemms.mm_kv(pb[ls], dop[ls, c], dv[b].transpose(0, 1))
+                    gemms.mm_kv(dsb[ls], qp[ls, c], dk[b].transpose(0, 1))
+        gemms.mm_dq(dsb, kp, dqp[:, c])
     dq = torch.empty(B, Nq, Hq, D, device=dev, dtype=dt)
     _blocks_to_rows(dqp, dq, R)
     return dq, dk, dv

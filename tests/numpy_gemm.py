@@ -1,7 +1,9 @@
-"""NumPy stand-ins for the chunked backward's GEMM launchers (xattn.core.gemm_sm90), registered on
-the CPU platform through jax_tvm_ffi: the same parameter order, math and extents (the key-length
-operands may be longer than the block: only their first rows are read, and ``acc`` writes only
-D's first rows), so CI runs the JAX driver's blocks, padding, aliasing and FFI plumbing without a GPU."""
+"""NumPy stand-ins for the chunked backward's GEMM launchers (xattn.core.gemm_sm90): the same
+parameter order, math and extents (the key-length operands may be longer than the block: only their
+first rows are read, and ``acc`` writes only D's first rows). Registered on the CPU platform through
+jax_tvm_ffi they run the JAX driver's blocks, padding, aliasing and FFI plumbing without a GPU;
+handed to :class:`xattn.torch.gemm_bwd.CoreGemms` they take the torch driver's views (strided,
+in place) through TVM-FFI the same way."""
 
 from __future__ import annotations
 
