@@ -57,7 +57,8 @@ def _register_none() -> None:
     AttentionMaskInterface.register("none", lambda *args, **kwargs: None)
 
 
-def torch_step(impl: str, n: int, iters: int) -> dict:
+def build_torch_step(impl: str, n: int):
+    """The train step of ``impl`` at N ``n`` (HF Gemma 4, CUDA, bf16): a closure running fwd + bwd."""
     if impl == "ffpa-flex":
         os.environ["XATTN_SLIDING_BACKEND"] = "flex"
     import torch
@@ -83,6 +84,13 @@ def torch_step(impl: str, n: int, iters: int) -> dict:
         logits = model(input_ids=ids, use_cache=False).logits
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
 
+    return step
+
+
+def torch_step(impl: str, n: int, iters: int) -> dict:
+    import torch
+
+    step = build_torch_step(impl, n)
     torch.cuda.reset_peak_memory_stats()
     step()
     times = []
