@@ -55,6 +55,8 @@ for step in "$@"; do
     redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
+    e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep -v Warning \
+              | tee -a "$OUT/steps.log" | tail -70 ;;
     e2e-*) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
               && cp benchmarks/results/e2e_gemma4_h200.json "$OUT/results/e2e_gemma4_h200.json"
             timeout "$t" python benchmarks/e2e_gemma4.py --parts "${step#e2e-}" --seqlens "${E2E_SEQLENS:-8192,16384,32768}" \
@@ -63,8 +65,6 @@ for step in "$@"; do
     bwd-routes) timeout "$t" python benchmarks/bwd_routes.py --seqlens "${BWD_SEQLENS:-8192,16384}" \
               --frameworks "${BWD_FRAMEWORKS:-torch,jax}" --dtypes "${BWD_DTYPES:-bfloat16,float16}" --routes "${BWD_ROUTES:-ffpa,gemm}" --shapes "${BWD_SHAPES:-32/4/causal,16/16/full,16/16/causal}" \
               --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
-    e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep -v Warning \
-              | tee -a "$OUT/steps.log" | tail -70 ;;
     bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
     memory) timeout "$t" python benchmarks/memory_growth.py --out "$OUT/results/memory_growth_h200.json" 2>&1 \
               | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;

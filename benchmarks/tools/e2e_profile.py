@@ -2,7 +2,8 @@
 
 The step of :func:`benchmarks.e2e_gemma4.build_torch_step` (HF Gemma 4 with the 31B layer dims),
 profiled for two steps after a warm-up; prints the kernels with the most CUDA time and the
-total, so the attention part of ``attn_share`` can be read kernel by kernel.
+total, so the attention part of ``attn_share`` can be read kernel by kernel, and the Python call
+sites of host-device synchronisations in one step.
 
     python benchmarks/tools/e2e_profile.py [--impls ffpa,none] [--seqlen 8192] [--rows 30]
 """
@@ -32,7 +33,28 @@ def profile(impl: str, n: int, rows: int) -> None:
     print(f"=== {impl} N{n}: {total:.1f} ms CUDA time per step (kernels, self time) ===")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
         print(f"{e.self_device_time_total / 2e3:9.2f} ms {e.count // 2:5d}x  {e.key[:110]}")
+    _report_syncs(step)
     sys.stdout.flush()
+
+
+def _report_syncs(step) -> None:
+    """Host-device synchronisations in one step (they stall the launch queue), by Python call site."""
+    import collections
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    print(f"synchronising calls in one step: {sum(sites.values())}")
+    for site, count in sites.most_common(8):
+        print(f"  {count:4d}x  {site}")
 
 
 def main(argv=None):

@@ -58,6 +58,19 @@ def test_gemm_backward_without_padding(monkeypatch, g, causal):
     _check_against_ffpa(monkeypatch, q, k, v, dout, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("g, causal", [(1, True), (1, False), (4, True)])
+def test_single_sequence_in_place_vs_fp64_and_ffpa(monkeypatch, dtype, g, causal):
+    """B == 1, the layout HF hands over ([B, H, N, D] transposed to [B, N, H, D]): K/V (and without
+    GQA q, dout and dq) cross to the GEMMs in place. Nq != Nk, neither a multiple of a tile, many blocks."""
+    monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "1")
+    gen = torch.Generator(device="cuda").manual_seed(40 + g + causal)
+    mk = lambda h, n: torch.randn(1, h, n, 512, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)  # noqa: E731
+    hkv = 3
+    q, k, v, dout = mk(g * hkv, 389), mk(hkv, 517), mk(hkv, 517), mk(g * hkv, 389)
+    _check_against_ffpa(monkeypatch, q, k, v, dout, causal)
+
+
 def test_auto_route_through_autograd(monkeypatch):
     """Gemma 4 global-layer shape (GQA 8, causal) past the table's threshold: the default route is
     the GEMM backward, and xt.attention's gradients match fp64."""

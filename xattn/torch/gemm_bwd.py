@@ -6,7 +6,8 @@ fp32 -> 16-bit) runs as torch ops; the five GEMMs per block are the core's fixed
 launchers (:mod:`xattn.core.gemm_sm90`, the same ones :mod:`xattn.jax` calls through XLA FFI), called
 on torch's current stream with torch views: whole K/V and whole fp32 dK/dV accumulators (the
 launchers read the block's prefix in place), P/dS as ``kend``-wide views of one block buffer,
-and the last block writes dk/dv straight into their ``[B, Nk, Hkv, D]`` layout.
+and the last block writes dk/dv straight into their ``[B, Nk, Hkv, D]`` layout. With B == 1,
+K/V are read in place, and without GQA so are q/dout and dq is written in place (no copies).
 Scratch: :func:`xattn.core.gemm_bwd.workspace_bytes`.
 """
 
@@ -135,14 +136,31 @@ def _vec_to_blocks(x: Tensor, hkv: int, rows: int, padded: int, fill: float) -> 
 
 
 def _delta(dout: Tensor, out: Tensor) -> Tensor:
-    """``rowsum(dO ⊙ O)`` in fp32, ``[B, Hq, N]``, in slices of ~256 MiB of fp32 temporaries."""
+    """``rowsum(dO ⊙ O)`` in fp32, ``[B, Hq, N]``.
+
+    CUDA: one batched GEMM per query row, ``dO[b, n] · O[b, n]ᵀ`` (Hq x D x Hq, fp32 out), whose
+    diagonal is δ: one read of dO and O, no fp32 copies of them. Elsewhere: fp32 slices of ~256 MiB."""
     b, n, hq, d = out.shape
+    if out.is_cuda:
+        prod = torch.bmm(dout.reshape(b * n, hq, d), out.reshape(b * n, hq, d).transpose(1, 2),
+                         out_dtype=torch.float32)
+        return prod.diagonal(dim1=1, dim2=2).reshape(b, n, hq).transpose(1, 2)
     delta = torch.empty(b, n, hq, device=out.device, dtype=torch.float32)
     step = max(1, (256 << 20) // max(1, 4 * b * hq * d))
     for s in range(0, n, step):
         e = min(n, s + step)
         delta[:, s:e] = (dout[:, s:e].float() * out[:, s:e].float()).sum(-1)
     return delta.transpose(1, 2)
+
+
+def _in_place(x: Tensor) -> bool:
+    """Whether ``x`` can cross to the launchers as it is: unit last stride, 16-byte aligned rows."""
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in x.stride()[:-1])
+
+
+def _heads_rows(x: Tensor) -> Tensor:
+    """``[1, N, H, D]`` -> its ``(H, N, D)`` view (no copy)."""
+    return x[0].transpose(0, 1)
 
 
 def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -164,18 +182,31 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
     shift = Nk - Nq
 
-    qp = _rows_to_blocks(q, Hkv, R, Np)
-    dop = _rows_to_blocks(dout, Hkv, R, Np)
-    kp, vp = _keys_to_blocks(k, nk8), _keys_to_blocks(v, nk8)
+    # The GEMMs see q, dout, dq as (L, rows, D) with one block = one range of rows. With B == 1
+    # and no GQA stacking (g == 1) those are views of the caller's tensors (row r of head h is
+    # q[0, r, h]); otherwise copies with the g query heads of a KV head stacked per block row
+    # (_rows_to_blocks: padded to whole blocks). K/V likewise: views when B == 1.
+    direct = B == 1 and g == 1 and all(_in_place(x) for x in (q, dout))
+    keys_in_place = B == 1 and _in_place(k) and _in_place(v)
+    dq = torch.empty(B, Nq, Hq, D, device=dev, dtype=dt)
+    if direct:
+        qp, dop, dqp, block_rows = _heads_rows(q), _heads_rows(dout), _heads_rows(dq), R
+    else:
+        qp = _rows_to_blocks(q, Hkv, R, Np).view(L, C * g * R, D)
+        dop = _rows_to_blocks(dout, Hkv, R, Np).view(L, C * g * R, D)
+        dqp = torch.empty(L, C * g * R, D, device=dev, dtype=dt)
+        block_rows = g * R
+    nkeys = Nk if keys_in_place else nk8  # K/V rows as passed; colpos has as many (one length)
+    kp, vp = (_heads_rows(k), _heads_rows(v)) if keys_in_place else (_keys_to_blocks(k, nk8), _keys_to_blocks(v, nk8))
     rowbias = _vec_to_blocks(torch.where(torch.isfinite(lse), lse * -LOG2E, -math.inf), Hkv, R, Np, -math.inf)
     delta = _vec_to_blocks(_delta(dout, out), Hkv, R, Np, 0.0)
     pos = torch.arange(Np, device=dev, dtype=torch.float32) + shift
     rowpos = pos.view(1, C, R, 1).expand(L, C, R, g).reshape(L, C, R * g)
-    colpos = torch.arange(nk8, device=dev, dtype=torch.float32).expand(L, nk8).contiguous()
+    rowbias, delta, rowpos = (x.view(L, C * g * R) for x in (rowbias, delta, rowpos))
+    colpos = torch.arange(nk8, device=dev, dtype=torch.float32).expand(L, nk8).contiguous()[:, :nkeys]
     if C > 1:  # fp32 accumulators of dk/dv over the blocks (one block writes dk/dv directly)
         dk_acc = torch.zeros(L, Nk, D, device=dev, dtype=torch.float32)
         dv_acc = torch.zeros_like(dk_acc)
-    dqp = torch.empty(L, C, g * R, D, device=dev, dtype=dt)
     n_scores = L * g * R * nk8
     p_buf = torch.empty(n_scores, device=dev, dtype=dt)
     ds_buf = torch.empty(n_scores, device=dev, dtype=dt)
@@ -185,28 +216,32 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     scale_log2 = softmax_scale * LOG2E
     assert p.blocks[-1][1] == Nk  # the last block's rows reach the last key (causal bottom-right too)
     for c, (_, kend) in enumerate(p.blocks):
+        r0 = c * block_rows
+        rs = slice(r0, min(r0 + block_rows, qp.shape[1]))  # direct: the last block ends at Nq
+        m = rs.stop - r0
         if kend <= 0:
-            dqp[:, c].zero_()  # every row of the block is before the first key
+            dqp[:, rs].zero_()  # every row of the block is before the first key
             continue
         k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
-        view = lambda buf: buf[: L * g * R * k8].view(L, g * R, k8)[:, :, :kend]  # noqa: E731
+        view = lambda buf: buf[: L * m * k8].view(L, m, k8)[:, :, :kend]  # noqa: E731
         pb, dsb, p32 = view(p_buf), view(ds_buf), view(p32_buf)
+        qc, doc = qp[:, rs], dop[:, rs]
         # whole kp / vp / colpos / accumulators: the launchers use their first kend rows in place
-        gemms.probs(qp[:, c], kp, pb, p32, rowbias[:, c], rowpos[:, c], colpos, scale_log2, causal)
-        gemms.grad_scores(dop[:, c], vp, dsb, p32, delta[:, c], softmax_scale)
+        gemms.probs(qc, kp, pb, p32, rowbias[:, rs], rowpos[:, rs], colpos, scale_log2, causal)
+        gemms.grad_scores(doc, vp, dsb, p32, delta[:, rs], softmax_scale)
         if c < C - 1:
-            gemms.add_into(pb, dop[:, c], dv_acc)
-            gemms.add_into(dsb, qp[:, c], dk_acc)
+            gemms.add_into(pb, doc, dv_acc)
+            gemms.add_into(dsb, qc, dk_acc)
         else:  # the last block sees every key (kend == Nk): it writes dk/dv in their final layout
             for b in range(B):
                 ls = slice(b * Hkv, (b + 1) * Hkv)
                 if C > 1:
-                    gemms.add_to(pb[ls], dop[ls, c], dv_acc[ls], dv[b].transpose(0, 1))
-                    gemms.add_to(dsb[ls], qp[ls, c], dk_acc[ls], dk[b].transpose(0, 1))
+                    gemms.add_to(pb[ls], doc[ls], dv_acc[ls], _heads_rows(dv[b:b + 1]))
+                    gemms.add_to(dsb[ls], qc[ls], dk_acc[ls], _heads_rows(dk[b:b + 1]))
                 else:
-                    gemms.mm_kv(pb[ls], dop[ls, c], dv[b].transpose(0, 1))
-                    gemms.mm_kv(dsb[ls], qp[ls, c], dk[b].transpose(0, 1))
-        gemms.mm_dq(dsb, kp, dqp[:, c])
-    dq = torch.empty(B, Nq, Hq, D, device=dev, dtype=dt)
-    _blocks_to_rows(dqp, dq, R)
+                    gemms.mm_kv(pb[ls], doc[ls], _heads_rows(dv[b:b + 1]))
+                    gemms.mm_kv(dsb[ls], qc[ls], _heads_rows(dk[b:b + 1]))
+        gemms.mm_dq(dsb, kp, dqp[:, rs])
+    if not direct:
+        _blocks_to_rows(dqp.view(L, C, g * R, D), dq, R)
     return dq, dk, dv
