@@ -21,11 +21,18 @@ pytest.importorskip("tvm_ffi")
     (1, 77, 77, 4, 4, True, None),    # one block from the budget (mm_kv writes dk/dv)
     (2, 77, 90, 2, 2, False, None),   # one block, not causal, B 2
 ])
-def test_block_logic_vs_fp64(b, nq, nk, hq, hkv, causal, rows):
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+def test_block_logic_vs_fp64(b, nq, nk, hq, hkv, causal, rows, layout):
+    """``bhnd``: the inputs as HF hands them over ([B, H, N, D] transposed to [B, N, H, D])."""
     g = torch.Generator().manual_seed(nq * 7 + nk)
     d = 32
-    q, dout = (torch.randn(b, nq, hq, d, generator=g).half() for _ in range(2))
-    k, v = (torch.randn(b, nk, hkv, d, generator=g).half() for _ in range(2))
+
+    def mk(n, h):
+        if layout == "bnhd":
+            return torch.randn(b, n, h, d, generator=g).half()
+        return torch.randn(b, h, n, d, generator=g).half().transpose(1, 2)
+    q, dout = mk(nq, hq), mk(nq, hq)
+    k, v = mk(nk, hkv), mk(nk, hkv)
     scale = d ** -0.5
     out, lse = attention(q, k, v, scale=scale, causal=causal)
     want = attention_bwd(dout, q, k, v, out, lse, scale=scale, causal=causal)

@@ -85,18 +85,14 @@ class CoreGemms:
 
 
 def _rows_to_blocks(x: Tensor, hkv: int, rows: int, padded: int) -> Tensor:
-    """``[B, N, Hq, D]`` -> ``[B*Hkv, C, rows*g, D]``, GEMM row ``r*g + i`` = query row r of head
-    ``kv*g + i`` (a group's heads stay one contiguous ``g*D`` run: a fast copy). Padded rows are zero."""
+    """``[B, N, Hq, D]`` (any strides) -> ``[B*Hkv, C, rows*g, D]``, GEMM row ``r*g + i`` = query
+    row r of head ``kv*g + i``. Padded rows are zero."""
     b, n, hq, d = x.shape
     g, c = hq // hkv, padded // rows
-    out = torch.empty(b, hkv, c, rows, g * d, device=x.device, dtype=x.dtype)
-    full = n // rows
-    if full:
-        out[:, :, :full].copy_(x[:, : full * rows].view(b, full, rows, hkv, g * d).permute(0, 3, 1, 2, 4))
-    if n > full * rows:
-        rest = n - full * rows
-        out[:, :, full, :rest].copy_(x[:, full * rows:].view(b, rest, hkv, g * d).transpose(1, 2))
-        out[:, :, full, rest:].zero_()
+    out = torch.empty(b, hkv, c, rows, g, d, device=x.device, dtype=x.dtype)
+    rows_of = out.view(b, hkv, c * rows, g, d)  # (b, kv, row, i, d)
+    rows_of[:, :, :n].copy_(x.unflatten(2, (hkv, g)).permute(0, 2, 1, 3, 4))
+    rows_of[:, :, n:].zero_()
     return out.view(b * hkv, c, rows * g, d)
 
 
@@ -105,13 +101,8 @@ def _blocks_to_rows(xp: Tensor, out: Tensor, rows: int) -> None:
     b, n, hq, d = out.shape
     hkv = xp.shape[0] // b
     g, c = hq // hkv, xp.shape[1]
-    x5 = xp.view(b, hkv, c, rows, g * d)
-    full = n // rows
-    if full:
-        out[:, : full * rows].view(b, full, rows, hkv, g * d).copy_(x5[:, :, :full].permute(0, 2, 3, 1, 4))
-    if n > full * rows:
-        rest = n - full * rows
-        out[:, full * rows:].view(b, rest, hkv, g * d).copy_(x5[:, :, full, :rest].transpose(1, 2))
+    rows_of = xp.view(b, hkv, c * rows, g, d)
+    out.unflatten(2, (hkv, g)).copy_(rows_of[:, :, :n].permute(0, 2, 1, 3, 4))
 
 
 def _keys_to_blocks(x: Tensor, padded: int) -> Tensor:
