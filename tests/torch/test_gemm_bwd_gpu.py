@@ -98,3 +98,33 @@ def test_gemm_backward_is_bitwise_reproducible(monkeypatch):
     for _ in range(3):
         again = ops.bwd(dout, q, k, v, out, lse, "ffpa", 0.05, True, -1, -1, None, None, 0, 0)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("b, g, layout", [(1, 1, "bhnd"), (1, 4, "bnhd"), (2, 1, "bnhd"), (2, 8, "bhnd")])
+def test_gemm_backward_memory_within_the_documented_bound(monkeypatch, b, g, layout):
+    """The backward's peak memory beyond its inputs and its dq/dk/dv stays within
+    xattn.core.gemm_bwd.workspace_bytes of the same shapes (measured after a warm-up call, so
+    cuBLAS's own workspace is already there)."""
+    from xattn.core.gemm_bwd import workspace_bytes
+
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "64")
+    hkv, nq, nk = 2, 1500, 1700
+    gen = torch.Generator(device="cuda").manual_seed(7 * g + b)
+
+    def mk(n, h):
+        shape = (b, n, h, 512) if layout == "bnhd" else (b, h, n, 512)
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        return x if layout == "bnhd" else x.transpose(1, 2)
+    q, k, v, dout = mk(nq, g * hkv), mk(nk, hkv), mk(nk, hkv), mk(nq, g * hkv)
+    out, lse = ops.fwd(q, k, v, "ffpa", 0.05, True, -1, -1, None, None, 0, 0)
+    run = lambda: ops.bwd(dout, q, k, v, out, lse, "ffpa", 0.05, True, -1, -1, None, None, 0, 0)  # noqa: E731
+    run()  # warm-up: launchers loaded, cuBLAS workspace allocated
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = run()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - sum(x.numel() * x.element_size() for x in grads)
+    bound = workspace_bytes(b, nq, nk, g * hkv, hkv, 512, True, budget=64 << 20)
+    assert 0 < extra <= bound, (extra, bound)

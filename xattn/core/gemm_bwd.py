@@ -48,6 +48,7 @@ MIN_BLOCK_ROWS = 64
 # rows 2048 (the budget's) -> 1024: torch 356.1 -> 384.1 TFLOP/s, JAX 407.9 -> 411.9.
 CAUSAL_MAX_ROWS = 1024
 ROW_ALIGN = 8  # P / dS / colpos row strides are padded to 8 elements (16-byte TMA strides)
+DELTA_SLICE_BYTES = 64 << 20  # the torch driver computes δ = rowsum(dO ⊙ O) in slices of this much scratch
 
 # Measured on the H200 (benchmarks/results/gemm_bwd_proto_h200.json: the prototype of this route,
 # benchmarks/tools/gemm_bwd_proto.py, last in commit b27f391; bf16, d512, fwd from FFPA):
@@ -176,13 +177,16 @@ def workspace_bytes(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, head
     """Upper bound of the scratch one backward allocates beyond its dq/dk/dv outputs.
 
     ``8·B·Hq·rows·Nk8`` (P 16-bit + P fp32 + dS, one block) ``+ 8·B·Hkv·Nk·D`` (dK/dV fp32
-    accumulators) ``+ 3·elem·B·Hq·Nq_pad·D`` (row-permuted q, dout, dq) ``+ 20·B·Hq·Nq_pad``
-    (δ, lse, row positions) ``+ 4·B·Hkv·Nk8`` (key positions). ``rows`` comes from the budget,
-    so the first term is at most ``max(budget, 8·B·Hq·64·Nk8)``.
+    accumulators) ``+ 3·elem·B·Hq·Nq_pad·D`` (row-permuted q, dout, dq) ``+ 2·elem·B·Hkv·Nk8·D``
+    (K/V in block order) ``+ 20·B·Hq·Nq_pad`` (δ, lse, row positions) ``+ 4·B·Hkv·Nk8`` (key
+    positions) ``+`` :data:`DELTA_SLICE_BYTES` (δ's temporaries). ``rows`` comes from the budget, so
+    the first term is at most ``max(budget, 8·B·Hq·64·Nk8)``. The torch driver reads q/dout/K/V in
+    place where their layout allows (B == 1), so it may stay well under this.
     """
     p = plan(batch, seqlen_q, seqlen_k, heads_q, causal, budget)
     scores = BYTES_PER_SCORE * batch * heads_q * p.rows * p.keys_stride
     acc = 8 * batch * heads_kv * seqlen_k * head_dim
     rows_perm = 3 * elem_bytes * batch * heads_q * p.padded_q * head_dim
+    keys = 2 * elem_bytes * batch * heads_kv * p.keys_stride * head_dim
     vectors = 20 * batch * heads_q * p.padded_q + 4 * batch * heads_kv * p.keys_stride
-    return scores + acc + rows_perm + vectors
+    return scores + acc + rows_perm + keys + vectors + DELTA_SLICE_BYTES

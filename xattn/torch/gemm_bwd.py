@@ -127,20 +127,26 @@ def _vec_to_blocks(x: Tensor, hkv: int, rows: int, padded: int, fill: float) -> 
 
 
 def _delta(dout: Tensor, out: Tensor) -> Tensor:
-    """``rowsum(dO ⊙ O)`` in fp32, ``[B, Hq, N]``.
+    """``rowsum(dO ⊙ O)`` in fp32, ``[B, Hq, N]``, in slices of query rows whose temporaries stay
+    within :data:`xattn.core.gemm_bwd.DELTA_SLICE_BYTES`.
 
-    CUDA: one batched GEMM per query row, ``dO[b, n] · O[b, n]ᵀ`` (Hq x D x Hq, fp32 out), whose
-    diagonal is δ: one read of dO and O, no fp32 copies of them. Elsewhere: fp32 slices of ~256 MiB."""
+    CUDA: per query row one ``dO[b, n] · O[b, n]ᵀ`` (Hq x D x Hq, a batched GEMM with fp32 output),
+    whose diagonal is δ: one read of dO and O, no fp32 copies of them. Elsewhere: fp32 products."""
     b, n, hq, d = out.shape
-    if out.is_cuda:
-        prod = torch.bmm(dout.reshape(b * n, hq, d), out.reshape(b * n, hq, d).transpose(1, 2),
-                         out_dtype=torch.float32)
-        return prod.diagonal(dim1=1, dim2=2).reshape(b, n, hq).transpose(1, 2)
     delta = torch.empty(b, n, hq, device=out.device, dtype=torch.float32)
-    step = max(1, (256 << 20) // max(1, 4 * b * hq * d))
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        delta[:, s:e] = (dout[:, s:e].float() * out[:, s:e].float()).sum(-1)
+    # per query row: the Hq x Hq fp32 product and 16-bit copies of dO / O rows that a GEMM cannot
+    # take as they are (CUDA), or two fp32 copies and their product (elsewhere)
+    per_row = 4 * hq * hq + 4 * hq * d if out.is_cuda else 12 * hq * d
+    step = max(1, plan_mod.DELTA_SLICE_BYTES // per_row)
+    for i in range(b):
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            ds, os_ = dout[i, s:e], out[i, s:e]  # (rows, Hq, D) views
+            if out.is_cuda:
+                prod = torch.bmm(ds, os_.transpose(1, 2), out_dtype=torch.float32)
+                delta[i, s:e] = prod.diagonal(dim1=1, dim2=2)
+            else:
+                delta[i, s:e] = (ds.float() * os_.float()).sum(-1)
     return delta.transpose(1, 2)
 
 
