@@ -45,6 +45,17 @@ def bench_ms(fn) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def cuda_profile(fn, reps: int):
+    """``fn`` once (warm-up), then ``reps`` calls under ``torch.profiler`` (CUDA activity); the profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
 def host_us_per_call(fn, n=300) -> float:
     """Wall time per call of an enqueue loop (kernel time of a tiny problem included)."""
     for _ in range(20):

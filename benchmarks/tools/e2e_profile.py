@@ -17,17 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def profile(impl: str, n: int, rows: int) -> None:
-    import torch
-
+    from benchmarks.bench import cuda_profile
     from benchmarks.e2e_gemma4 import build_torch_step
 
     step = build_torch_step(impl, n)
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
+    prof = cuda_profile(step, 2)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events) / 2e3
     print(f"=== {impl} N{n}: {total:.1f} ms CUDA time per step (kernels, self time) ===")

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.bench import bench_ms, flops  # noqa: E402
+from benchmarks.bench import bench_ms, cuda_profile, flops  # noqa: E402
 
 
 def main():
@@ -28,12 +28,7 @@ def main():
         q, k, v, dout = mk(1, n, hq, d), mk(1, n, hkv, d), mk(1, n, hkv, d), mk(1, n, hq, d)
         out, lse = ops.fwd(q, k, v, "ffpa", d ** -0.5, causal, -1, -1, None, None, 0, 0)
         run = lambda: gemm_bwd.gemm_backward(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal)  # noqa: E731
-        run()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
+        prof = cuda_profile(run, 3)
         print(f"=== Hq{hq}/Hkv{hkv} causal={causal} N{n}: CUDA time of 3 backwards ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
         f = 2.5 * flops(1, hq, n, n, d, causal, "fwd")
