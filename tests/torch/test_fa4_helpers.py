@@ -60,11 +60,8 @@ def test_varlen_layout_values_device_dtype_and_step_cache():
     assert (max_q, max_k) == (max(q_lens), max(k_lens)) and isinstance(max_q, int)
     assert fa4._varlen_layout(kv[:, 4:], kv, 4) is layout                      # same step: cached
     assert fa4._varlen_layout(kv[:, 4:], kv[:, :], 4) is layout                # a view of the same ids too
-    assert fa4._LAYOUT_GENERATION[0]() is kv
-    copy = kv.clone()
-    assert fa4._varlen_layout(copy[:, 4:], copy, 4) is not layout              # other memory: a new step
-    assert fa4._varlen_layout(kv[:, 4:], kv, 4) is not layout
-    layout = fa4._varlen_layout(kv[:, 4:], kv, 4)
+    assert fa4._varlen_layout(kv[:, 4:].clone(), kv.clone(), 4) is layout      # equal values: the same layout
+    assert fa4._LAYOUT_GENERATION[0] is not kv                                # a private copy, not the caller's
     kv[1, 6:] = 4                                                             # in place: a new step
     fresh = fa4._varlen_layout(kv[:, 4:], kv, 4)
     assert fresh is not layout and fresh[1].tolist() == [0, 3, 7, 8, 12, 16]
@@ -81,7 +78,36 @@ def test_layout_never_stale_when_a_new_ids_tensor_reuses_an_address():
         assert got[0].tolist() == [0, *torch.tensor(q_lens).cumsum(0).tolist()], step
         assert got[1].tolist() == [0, *torch.tensor(k_lens).cumsum(0).tolist()], step
         del kv, got
-    assert fa4._LAYOUT_GENERATION[0]() is None   # the last step's ids are gone; nothing keeps them alive
+
+
+def _refill_writers():
+    """Ways to rewrite ids in place that torch's version counter does not see (or that have none)."""
+    def numpy_write(ids, new):
+        ids.numpy()[:] = new.numpy()
+
+    def data_write(ids, new):
+        ids.data.copy_(new)
+
+    def inference_write(ids, new):
+        ids.copy_(new)
+    return [pytest.param(numpy_write, False, id="numpy"), pytest.param(data_write, False, id="data"),
+            pytest.param(inference_write, True, id="inference_mode")]
+
+
+@pytest.mark.parametrize("write, inference", _refill_writers())
+def test_layout_follows_ids_refilled_in_place(write, inference):
+    """Issue #22 case 4: a refilled kv_doc_ids must never reuse the previous values' segments (the old cache
+    keyed on the version counter, which these writes do not bump or which inference tensors lack)."""
+    ctx = torch.inference_mode() if inference else torch.no_grad()
+    with ctx:
+        kv = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]])
+        first = fa4._varlen_layout(kv[:, 4:], kv, 4)
+        write(kv, torch.tensor([[1, 2, 2, 2, 3, 3, 0, 0]]))
+        got = fa4._varlen_layout(kv[:, 4:], kv, 4)
+    q_lens, k_lens = fa4._varlen_segments(torch.tensor([[1, 2, 2, 2, 3, 3, 0, 0]]), 4, 4)
+    assert got is not first
+    assert got[0].tolist() == [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    assert got[1].tolist() == [0, *torch.tensor(k_lens).cumsum(0).tolist()]
 
 
 def test_q_doc_ids_must_be_the_shard_of_kv_doc_ids():
@@ -110,6 +136,23 @@ def test_document_causal_matches_masked_reference(start, nq, d, dv):
     want = torch.autograd.grad(ref, (q, k, v), dout)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):  # the core keeps lse in fp32
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("pad_id", [0, -1, -7])
+def test_document_causal_zeroes_every_padding_id_and_keeps_no_nan(pad_id):
+    """Issue #22 case 5: padding ids are ``<= 0`` (NeMo), not only 0; their rows are 0 even when the
+    attention of a padding run is NaN (``masked_fill``, not a multiplication that keeps NaN)."""
+    kv_ids = torch.tensor([[pad_id, pad_id, 1, 1, 1, 2, 2, 2, 2, pad_id]])
+    q, k, v = _rand(1, 4, 10, 128, seed=1, grad=True), _rand(1, 2, 10, 128, seed=2, grad=True), \
+        _rand(1, 2, 10, 128, seed=3, grad=True)
+    with torch.no_grad():
+        v[:, :, 9] = float("nan")  # a padding key: only the padding run at the end sees it
+    out = fa4.document_causal_fa4_attention(q, k, v, kv_ids, kv_ids, 0, 0.1)
+    real = kv_ids > 0
+    assert torch.all(out[(~real)[:, None].expand_as(out[..., 0])] == 0)
+    assert not torch.isnan(out).any()
+    ref = sdpa_reference(q, k, v.nan_to_num(0.0), document_causal_mask(kv_ids, kv_ids, 0), 0.1, keep_queries=real)
+    torch.testing.assert_close(out[:, :, real[0]], ref[:, :, real[0]], atol=1e-12, rtol=1e-12)
 
 
 def test_causal_matches_reference_with_gqa():

@@ -160,7 +160,8 @@ def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_
     _launch(get_launcher(spec), problem, args, scale, stream, diagnose)
 
 
-def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False, cu_seqlens_q=None,
+def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
+             window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
              stream: int | None = None, check_inputs: bool | None = None) -> None:
     """FFPA forward (head_dim 320-512, D == Dv), written into ``out`` and ``lse``.
@@ -173,15 +174,19 @@ def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False, c
     zeros and ``lse`` -inf (the kernel skips fully masked tiles and empty segments).
     Dense non-causal calls overwrite every element.
 
+    ``window_size`` is read as in :func:`fa4_fwd`; FFPA has no sliding-window kernel on sm90, so a
+    bounded window raises ``NotImplementedError`` (``causal=True`` with ``(-1, -1)`` / ``(None, None)``
+    is plain causal). It is accepted so that one call serves both families.
+
     ``check_inputs`` (varlen): ``True`` validates the cu_seqlens values before the launch (host
     copies, see the module docstring), ``False`` trusts them, ``None`` follows ``XATTN_CHECK_INPUTS``.
     """
     _fwd("ffpa", q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k, (None, None), stream, check_inputs)
+         max_seqlen_q, max_seqlen_k, check_window(window_size), stream, check_inputs)
 
 
 def ffpa_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
-             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+             window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
              max_seqlen_k: int | None = None, workspace=None, stream: int | None = None,
              check_inputs: bool | None = None) -> None:
     """FFPA backward: writes dq ``[.., Hq, D]``, dk/dv ``[.., Hkv, D]`` (reduced over each GQA group).
@@ -191,10 +196,10 @@ def ffpa_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
     :func:`bwd_workspace` ("ffpa", q.shape, k.shape, ...) describes (no init needed).
 
     Pre-initialisation, by the caller: ``dq``, ``dk`` and ``dv`` must hold zeros.
-    ``check_inputs`` as in :func:`ffpa_fwd`.
+    ``window_size`` and ``check_inputs`` as in :func:`ffpa_fwd`.
     """
     _bwd("ffpa", dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
-         cu_seqlens_k, max_seqlen_q, max_seqlen_k, (None, None), workspace, stream, check_inputs)
+         cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_window(window_size), workspace, stream, check_inputs)
 
 
 def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

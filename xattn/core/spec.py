@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import numbers
 from dataclasses import dataclass, field
 from importlib import metadata
 
-__all__ = ["KernelSpec", "supports", "family_for", "canonical_mask", "library_versions", "FAMILIES", "DTYPES"]
+__all__ = ["KernelSpec", "supports", "family_for", "canonical_mask", "window_side", "library_versions", "FAMILIES", "DTYPES"]
 
 FAMILIES = ("ffpa", "fa4")
 DIRECTIONS = ("fwd", "bwd")
@@ -137,7 +138,7 @@ def supports(spec: KernelSpec) -> str | None:
     if not isinstance(spec.qhead_per_kvhead, int) or spec.qhead_per_kvhead < 1:
         return f"qhead_per_kvhead must be a positive int, got {spec.qhead_per_kvhead!r}"
     if spec.causal and spec.is_local:
-        return "causal and a sliding window are mutually exclusive (causal is window (-1, 0))"
+        return "causal and a sliding window are mutually exclusive (causal is the window (None, 0))"
     if spec.family == "ffpa":
         return _ffpa_reason(spec)
     return _fa4_reason(spec)
@@ -176,21 +177,43 @@ def _fa4_reason(spec: KernelSpec) -> str | None:
     return None
 
 
+def window_side(name: str, value) -> int | None:
+    """One side of ``window_size`` as the launchers key it: ``None`` or an int >= 0.
+
+    ``None`` and ``-1`` (FlashAttention-2's spelling) mean unbounded. Other negative values raise
+    ``ValueError`` and non-integers ``TypeError``, naming ``window_size`` and the side: a negative
+    window that silently meant "unbounded" would change results without a word.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"window_size: the {name} side must be an int or None, got {type(value).__name__} "
+                        f"({value!r})")
+    value = int(value)
+    if value == -1:
+        return None
+    if value < -1:
+        raise ValueError(f"window_size: the {name} side must be >= 0, or None / -1 for unbounded; got {value}")
+    return value
+
+
 def canonical_mask(causal: bool, window_left: int | None, window_right: int | None):
     """One spelling per mask: ``(causal, window_left, window_right)`` as the launchers key them.
 
-    Causal is the window ``(None, 0)``, so ``causal=True`` with a left window becomes the window
-    ``(left, 0)``, and the window ``(None, 0)`` becomes ``causal=True``. A right window > 0 under
-    ``causal=True`` is clipped to 0 (causal already hides those keys). Other values pass through
-    (``supports`` judges them).
+    Sides: ``None`` or ``-1`` = unbounded (FlashAttention-2's convention), else an int >= 0; anything
+    else raises (see :func:`window_side`). Causal is the window ``(None, 0)``: ``causal=True`` with a
+    left window becomes the window ``(left, 0)``, a right window under ``causal=True`` is clipped to 0
+    (causal already hides those keys), so ``causal=True`` with ``(-1, -1)`` or ``(None, w)`` stays
+    causal; the window ``(None, 0)`` becomes ``causal=True``.
     """
-    if causal and (window_left is not None or window_right is not None):
-        window_right = 0 if window_right is None or (isinstance(window_right, int) and window_right >= 0) \
-            else window_right
-        causal = False
-    if not causal and window_left is None and window_right == 0:
+    window_left, window_right = window_side("left", window_left), window_side("right", window_right)
+    if causal:
+        if window_left is None:
+            return True, None, None
+        return False, window_left, 0
+    if window_left is None and window_right == 0:
         return True, None, None
-    return causal, window_left, window_right
+    return False, window_left, window_right
 
 
 def family_for(head_dim: int, head_dim_v: int | None = None, sliding: bool = False) -> str | None:

@@ -29,7 +29,6 @@ import importlib
 import inspect
 import itertools
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,13 +41,13 @@ from .attention import attention, attention_with_lse
 
 __all__ = ["import_fa4_modules", "causal_fa4_attention", "document_causal_fa4_attention"]
 
-_PAD_DOC_ID = 0
-# The varlen layouts of the current step. The step is identified by its kv_doc_ids tensor, held weakly
-# with the ``_version`` it had (``[weakref, version]``): the same tensor, or a view of the same memory
-# with the same shape and strides while that tensor lives, unmodified since. A dead tensor, other memory
-# or an in-place change starts a new step; an address alone never identifies one (freed memory is
-# reused). The layouts of the step are keyed by ``(q_length, q_global_start, kv shape)``;
-# ``("kv_doc_ids", "cpu")`` holds the step's one host copy of the ids.
+_PAD_DOC_ID = 0  # padding ids are <= 0 (0 as NeMo writes them; any id <= 0 counts as padding)
+# The varlen layouts of the current step. ``_LAYOUT_GENERATION`` holds ``[ids, host ids]``: a private copy of
+# the step's kv_doc_ids on their device and its one host copy. A call belongs to the step when its
+# kv_doc_ids hold the same values (compared on their device: one small sync per call), so a new tensor,
+# an in-place write (through autograd, numpy or ``.data``) and inference-mode tensors, which have no
+# version counter, always get the layout of the ids they hold. The step's layouts are keyed by
+# ``(q_length, q_global_start, kv shape)``.
 _LAYOUT_CACHE: dict[tuple, Any] = {}
 _LAYOUT_GENERATION: list[Any] = [None, None]
 
@@ -284,24 +283,11 @@ def _check_doc_ids(q_doc_ids, kv_doc_ids, q_global_start) -> int:
     return nq
 
 
-def _version_of(ids: torch.Tensor) -> int | None:
-    """The tensor's in-place-change counter; None for inference-mode tensors, which have none."""
-    try:
-        return ids._version
-    except RuntimeError:
-        return None
-
-
 def _same_step(kv_doc_ids: torch.Tensor) -> bool:
-    """Whether these ids are the current step's: its live tensor or a same-shaped view of the same memory
-    (views share the version counter, so an in-place write through any of them shows)."""
-    held, version = _LAYOUT_GENERATION
-    step = None if held is None else held()
-    if step is None or version != _version_of(kv_doc_ids):
-        return False
-    return step is kv_doc_ids or (step.device == kv_doc_ids.device and step.dtype == kv_doc_ids.dtype
-                                  and step.shape == kv_doc_ids.shape and step.stride() == kv_doc_ids.stride()
-                                  and step.data_ptr() == kv_doc_ids.data_ptr())
+    """Whether these ids hold the current step's values (same shape, dtype and device, equal elements)."""
+    held = _LAYOUT_GENERATION[0]
+    return (held is not None and held.shape == kv_doc_ids.shape and held.dtype == kv_doc_ids.dtype
+            and held.device == kv_doc_ids.device and bool(torch.equal(held, kv_doc_ids)))
 
 
 def _cumulative(lengths: list[int], device) -> torch.Tensor:
@@ -309,9 +295,7 @@ def _cumulative(lengths: list[int], device) -> torch.Tensor:
 
 
 def _build_layout(q_doc_ids, kv_doc_ids, q_length: int, q_global_start: int):
-    ids = _LAYOUT_CACHE.get(("kv_doc_ids", "cpu"))
-    if ids is None:  # the step's one device -> host copy
-        ids = _LAYOUT_CACHE[("kv_doc_ids", "cpu")] = kv_doc_ids.detach().cpu()
+    ids = _LAYOUT_GENERATION[1]  # the step's one device -> host copy
     if not torch.equal(q_doc_ids.detach().cpu(), ids[:, q_global_start:q_global_start + q_length]):
         raise ValueError(f"q_doc_ids: must equal kv_doc_ids[:, {q_global_start}:{q_global_start + q_length}] "
                          "(the ids of the local queries)")
@@ -327,13 +311,14 @@ def _varlen_layout(q_doc_ids: torch.Tensor, kv_doc_ids: torch.Tensor,
     ``q_doc_ids [B, Nq]`` are the ids of the local queries, i.e. ``kv_doc_ids[:, q_global_start:][:, :Nq]``
     (checked once per step); ``kv_doc_ids [B, Nk]`` are the ids of all keys. The cu_seqlens are int32
     ``[segments + 1]`` on ``kv_doc_ids``' device (segments from :func:`_varlen_segments`). Cached for the
-    step: every layer that passes the same ``kv_doc_ids`` tensor (or a same-shaped view of it), unmodified,
-    reuses the layout, so the ids are copied to the host once per step; a new tensor (even one at a
-    recycled address) or an in-place change recomputes it."""
+    step by value: every layer whose ``kv_doc_ids`` hold the step's ids reuses the layout (one compare on
+    their device per call; the ids reach the host once per step); ids that differ in any element, however
+    they were written, start a new step."""
     q_length = _check_doc_ids(q_doc_ids, kv_doc_ids, q_global_start)
     if not _same_step(kv_doc_ids):
         _LAYOUT_CACHE.clear()
-        _LAYOUT_GENERATION[:] = [weakref.ref(kv_doc_ids), _version_of(kv_doc_ids)]
+        ids = kv_doc_ids.detach()
+        _LAYOUT_GENERATION[:] = [ids.clone(), ids.cpu()]
     key = (q_length, q_global_start, tuple(kv_doc_ids.shape))
     layout = _LAYOUT_CACHE.get(key)
     if layout is None:
@@ -364,4 +349,4 @@ def document_causal_fa4_attention(query: torch.Tensor, key: torch.Tensor, value:
                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, family="fa4",
                     check_inputs=False)  # built here from the ids: valid by construction
     out = out.view(b, nq, hq, -1).transpose(1, 2)
-    return out * (q_doc_ids != _PAD_DOC_ID)[:, None, :, None].to(out.dtype)
+    return out.masked_fill((q_doc_ids <= _PAD_DOC_ID)[:, None, :, None], 0.0)  # padding rows: 0, NaN-free

@@ -45,7 +45,7 @@ from xattn.core.spec import family_for
 
 from . import cp_group, hf_fallback
 from .attention import attention, attention_with_lse, default_family
-from .hf_masks import KernelMask, Pattern, describe, hf_window, plan_hf_mask, plan_without_mask
+from .hf_masks import KernelMask, Pattern, describe, hf_window, plan_hf_mask, plan_without_mask, window_mask
 from .ops import bwd as _bwd_op
 from .ring import ring_attention
 
@@ -316,24 +316,46 @@ def _causal(module, kwargs) -> bool:
     return bool(getattr(module, "is_causal", True) if causal is None else causal)
 
 
-def _padding_plan(module, query, key, keep, kwargs) -> KernelMask | None:
-    """A 2D padding mask ``[B, Nk]`` (True/1 = real token) from a caller: queries are the last Nq key
-    positions, causality and ``sliding_window`` from kwargs (HF's FlashAttention convention).
-    None (after a warning) where SDPA would differ from the kernels (e.g. uneven right padding)."""
-    left, right = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
+def _padding_layout(query, key, attention_mask) -> tuple[torch.Tensor, int]:
+    """``(keep [B, Nk] bool, base)`` of a caller's 2D padding mask ``[B, W]`` (True/1 = real token):
+    query ``i`` sits at key position ``base + i``.
+
+    As HF's FlashAttention path (``_upad_input``) and NeMo read it: a mask as wide as the keys covers
+    them; a wider one (sliding-window cache) covers the last ``Nk`` keys (``[:, -Nk:]``); a narrower
+    one (static cache) covers the first ``W`` keys, the rest are empty cache slots that no query sees,
+    and the queries are the last ``Nq`` of those ``W``. ValueError for a batch or width that cannot
+    describe these keys."""
     b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
-    plan = plan_hf_mask(Pattern(left, right), b, nq, nk, nk - nq, 0, keep.bool(), query.device,
-                        lambda: _padding_sdpa_mask(query, key, keep, kwargs, module))
+    if attention_mask.shape[0] != b:
+        raise ValueError(f"attention_mask: a 2D padding mask [batch, keys] needs batch {b}, got shape "
+                         f"{tuple(attention_mask.shape)}")
+    width = attention_mask.shape[1]
+    keep = attention_mask.bool()
+    if width >= nk:
+        return keep[:, width - nk:], nk - nq
+    if width < nq:
+        raise ValueError(f"attention_mask: a 2D padding mask of {width} keys is narrower than the {nq} queries "
+                         f"(key length {nk}); it must cover at least the queries' own positions")
+    return torch.cat([keep, keep.new_zeros(b, nk - width)], dim=1), width - nq
+
+
+def _padding_plan(module, query, key, keep, base, kwargs) -> KernelMask | None:
+    """The plan of a 2D padding mask (:func:`_padding_layout`); causality and ``sliding_window`` from kwargs
+    (HF's FlashAttention convention). None (after a warning) where SDPA would differ from the kernels
+    (e.g. uneven right padding)."""
+    window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
+    b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    plan = plan_hf_mask(Pattern(*window), b, nq, nk, base, 0, keep, query.device,
+                        lambda: _padding_sdpa_mask(query, key, keep, base, window))
     if isinstance(plan, str):
         _warn_once("mask", plan)
         return None
     return plan
 
 
-def _padding_sdpa_mask(query, key, keep, kwargs, module):
-    window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
-    dense = plan_without_mask(query, key, window).sdpa_mask()
-    return dense & keep.bool()[:, None, None, :]
+def _padding_sdpa_mask(query, key, keep, base, window):
+    """The exact SDPA mask ``[B, 1, Nq, Nk]`` of a 2D padding mask (:func:`_padding_layout`)."""
+    return window_mask(query.shape[2], key.shape[2], base, window, query.device)[None, None] & keep[:, None, None, :]
 
 
 def _check_inputs(query, key, value, scaling) -> None:
@@ -406,9 +428,11 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
     if _is_block_mask(attention_mask):
         return hf_fallback.run_flex(module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-        plan = _padding_plan(module, query, key, attention_mask, kwargs)
+        keep, base = _padding_layout(query, key, attention_mask)
+        plan = _padding_plan(module, query, key, keep, base, kwargs)
         if plan is None:
-            return _fallback(module, query, key, value, _padding_sdpa_mask(query, key, attention_mask, kwargs, module),
+            window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
+            return _fallback(module, query, key, value, _padding_sdpa_mask(query, key, keep, base, window),
                              dropout, scaling, softcap, kwargs)
     elif attention_mask is not None and not isinstance(attention_mask, KernelMask):
         if not getattr(attention_mask, "_xattn_factory_fallback", False):  # the factory warned already

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Pattern", "KernelMask", "describe", "hf_window", "plan_hf_mask", "plan_without_mask"]
+__all__ = ["Pattern", "KernelMask", "describe", "hf_window", "plan_hf_mask", "plan_without_mask", "window_mask"]
 
 
 @dataclass(frozen=True)
@@ -315,6 +315,19 @@ def _varlen_mask(cu_q, cu_k, nq: int, nk: int, left, right) -> torch.Tensor:
     return m[None, None]
 
 
+def window_mask(nq: int, nk: int, base: int, window, device) -> torch.Tensor:
+    """``[Nq, Nk]`` bool: query ``i`` (at key position ``base + i``) sees key ``j`` iff
+    ``-left <= j - (base + i) <= right`` (``None`` = unbounded side)."""
+    left, right = window
+    rel = torch.arange(nk, device=device)[None, :] - (torch.arange(nq, device=device)[:, None] + base)
+    m = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if left is not None:
+        m &= rel >= -left
+    if right is not None:
+        m &= rel <= right
+    return m
+
+
 def hf_window(causal: bool, sliding_window) -> tuple[int | None, int | None]:
     """HF's FlashAttention convention for ``sliding_window=w``: ``(w - 1, 0)`` causal, ``(w - 1, w - 1)`` not."""
     left = None if sliding_window is None else int(sliding_window) - 1
@@ -333,14 +346,7 @@ def plan_without_mask(query: torch.Tensor, key: torch.Tensor, window, cu_seqlens
     sizes = dict(batch_size=b, q_length=nq, kv_length=nk, window=(left, right))
     if cu_seqlens is None:
         def materialize():
-            i = torch.arange(nq, device=query.device)[:, None] + (nk - nq)
-            rel = torch.arange(nk, device=query.device)[None, :] - i
-            m = torch.ones(nq, nk, dtype=torch.bool, device=query.device)
-            if left is not None:
-                m &= rel >= -left
-            if right is not None:
-                m &= rel <= right
-            return m[None, None].expand(b, 1, nq, nk)
+            return window_mask(nq, nk, nk - nq, window, query.device)[None, None].expand(b, 1, nq, nk)
         return KernelMask(**sizes, _materialize=materialize, description="dense (no mask)")
     cu_q, cu_k = (c.to(device=query.device, dtype=torch.int32) for c in cu_seqlens)
     max_q, max_k = max_lengths

@@ -4,7 +4,8 @@ use them without a graph break and CUDA graphs capture them.
 
 Glossary: B batch, N lengths, T packed tokens, Hq/Hkv heads, D/Dv head dims. Dense layout
 ``[B, N, H, D]`` (lse ``[B, Hq, Nq]``), varlen ``[T, H, D]`` with int32 cu_seqlens (lse ``[Hq, Tq]``).
-``family`` is ``"ffpa"`` or ``"fa4"``; window sides < 0 mean unbounded. Outputs are allocated
+``family`` is ``"ffpa"`` or ``"fa4"``; a window side of -1 means unbounded (< -1: ValueError), and
+every window reaches the core, which refuses what the family cannot run (FFPA has no window). Outputs are allocated
 here with ``torch.empty`` / the fills the core documents (``KernelSpec.output_fill`` and the
 workspace ``fill``), then the core writes them on the current stream.
 
@@ -45,6 +46,9 @@ def _spec(direction, family, q, k, v, causal, window_left, window_right, varlen)
 
 @functools.lru_cache(maxsize=1024)
 def _spec_of(direction, family, dtype, d, dv, g, causal, window_left, window_right, varlen) -> xc.KernelSpec:
+    for side, w in (("window_left", window_left), ("window_right", window_right)):
+        if w < -1:
+            raise ValueError(f"{side}: expected >= 0, or -1 for unbounded; got {w}")
     window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
     return xc.KernelSpec(family, direction, _DTYPES.get(dtype, str(dtype)), d, dv, g, causal, varlen, *window)
 
@@ -55,9 +59,7 @@ def _new(shape, dtype, device, fill):
 
 
 def _kw(spec, family, softmax_scale, cu_q, cu_k, max_q, max_k):
-    kw = dict(softmax_scale=softmax_scale, causal=spec.causal)
-    if family == "fa4":
-        kw["window_size"] = (spec.window_left, spec.window_right)
+    kw = dict(softmax_scale=softmax_scale, causal=spec.causal, window_size=(spec.window_left, spec.window_right))
     if cu_q is not None:
         kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                   check_inputs=False)  # attention_op checked them (checked mode); no second sync

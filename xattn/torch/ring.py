@@ -357,6 +357,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     family = family or default_family(q.shape[-1], v.shape[-1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     halo = left is not None
+    if halo and family != "fa4":  # before any collective: every rank refuses alike
+        raise NotImplementedError(f"ring_attention: window_size {tuple(window_size)} needs a sliding-window kernel; "
+                                  f"{family} (head_dim {q.shape[-1]}) has none (FA4 serves head_dim <= 256)")
     params = _Params(family, scale, causal, -1 if left is None else int(left), -1 if right is None else int(right))
     if not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialised (call init_process_group)")
