@@ -145,3 +145,54 @@ def test_gemma4_context_parallel_step_matches_one_process(tmp_path):
         for key, r in json.load(open(f"{path}.{rank}")).items():
             assert r["n_grads"] == r["n_truth"] > 10, (key, r)
             assert r["loss"] < 1e-6 and r["grads"] < 1e-5, (rank, key, r)
+
+
+def _layout_worker(rank, world, port, path):
+    """Issue #22 case 6: HF layers under context parallelism with position_ids the ring cannot honour."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _install_stubs()
+    from tests.torch import gemma_cp
+    from xattn.torch import context_parallel
+    from xattn.torch import ffpa_attention as fa
+    fa.kernels_available = lambda: None
+    fa._DTYPES = (torch.bfloat16, torch.float16, torch.float64)
+    fa.register_ffpa_attention()
+    model = gemma_cp.build("ffpa", torch.float64, "cpu")
+    n = 16
+    ids = ring.shard_sequence(torch.randint(0, 96, (2, n), generator=torch.Generator().manual_seed(1)), rank=rank,
+                              world_size=world)
+    local = n // world
+    cases = {
+        "contiguous": torch.arange(rank * local, (rank + 1) * local)[None].expand(2, -1),
+        "arange": None,  # HF's default positions: 0 .. N_local - 1 on every rank
+        "packed": torch.cat([torch.arange(local // 2), torch.arange(local - local // 2)])[None].expand(2, -1),
+        "one_rank_off": ring.sequence_positions(n, rank=rank, world_size=world)[None].expand(2, -1).clone(),
+    }
+    if rank == 1:
+        cases["one_rank_off"][1, 0] += 1  # rank 0 is right: it must still raise, not hang in a ring step
+    res = {}
+    for name, pos in cases.items():
+        try:
+            with context_parallel():
+                model(input_ids=ids, position_ids=pos, use_cache=False)
+            res[name] = "ran"
+        except ValueError as exc:
+            res[name] = str(exc)
+    with context_parallel():  # the right layout still runs after the refusals
+        model(input_ids=ids, position_ids=ring.sequence_positions(n, rank=rank, world_size=world)[None].expand(2, -1),
+              use_cache=False)
+    res["right"] = "ran"
+    dist.destroy_process_group()
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(res, f)
+
+
+def test_context_parallel_refuses_positions_off_the_ring_layout(tmp_path):
+    path = str(tmp_path / "res")
+    mp.start_processes(_layout_worker, args=(2, _free_port(), path), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        res = json.load(open(f"{path}.{rank}"))
+        assert res.pop("right") == "ran"
+        for name, msg in res.items():
+            assert "position_ids do not match the ring's load-balanced layout" in msg, (rank, name, msg)

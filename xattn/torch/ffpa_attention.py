@@ -459,6 +459,7 @@ def _run_sharded(group, module, query, key, value, attention_mask, dropout, scal
     else:
         attention_mask.check(query, key)
         window = attention_mask.window
+    _check_sharded_positions(group, kwargs.get("position_ids"), query.shape[2], attention_mask)
     plan = KernelMask(query.shape[0], query.shape[2], key.shape[2], window)
     reason = _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs)
     if reason is not None:
@@ -468,6 +469,38 @@ def _run_sharded(group, module, query, key, value, attention_mask, dropout, scal
     return ring_attention(q, k, v, group=group, causal=window == (None, 0), softmax_scale=scaling,
                           window_size=window if windowed else (None, None),
                           family=family_for(query.shape[-1], value.shape[-1], windowed))
+
+
+def _check_sharded_positions(group, position_ids, n_local: int, plan: KernelMask | None) -> None:
+    """ValueError unless ``position_ids [B, N_local]`` are this rank's load-balanced shard
+    (:func:`xattn.torch.ring.sequence_positions`) in every row: the ring computes on that layout alone, so
+    packed documents, a contiguous shard or HF's default ``arange`` positions would give wrong attention.
+    Once per forward (the factory's plan remembers it); the verdict is all-reduced, so every rank raises
+    together instead of leaving the others waiting in a ring step."""
+    if plan is not None and plan.notes.get("positions_checked"):
+        return
+    if position_ids is None:
+        raise ValueError("context parallelism: the 'ffpa' layers need position_ids (this rank's shard of the "
+                         "global positions, xattn.torch.sequence_positions(N, group)) to check the ring's layout")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2) \
+            or position_ids.shape[-1] != n_local:
+        raise ValueError(f"context parallelism: position_ids must be [batch, {n_local}] (this rank's shard), got "
+                         f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+    import torch.distributed as dist
+
+    from .ring import sequence_positions
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    want = sequence_positions(n_local * world, rank=rank, world_size=world, device=position_ids.device)
+    bad = (position_ids.reshape(-1, n_local) != want).any().to(torch.int32).reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if bool(bad.item()):
+        raise ValueError("context parallelism: position_ids do not match the ring's load-balanced layout on every "
+                         "rank (each rank must hold chunks r and 2P-1-r of one unpacked sequence per row: "
+                         "xattn.torch.shard_sequence / sequence_positions). Packed documents, contiguous shards and "
+                         "positions restarting inside a row cannot run on the ring")
+    if plan is not None:
+        plan.notes["positions_checked"] = True
 
 
 def _fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
