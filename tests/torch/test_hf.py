@@ -177,3 +177,31 @@ def test_tiny_gemma4_ffpa_matches_sdpa(kernels, monkeypatch):
     assert ("fwd", "ffpa") in stubs.CALLS and ("fwd", "fa4") in stubs.CALLS
     gemma.assert_parity(errs, layers)
 
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "left-padded"])
+@pytest.mark.parametrize("logits_to_keep", [1, 3])
+def test_tiny_gemma4_kv_shared_layers_with_logits_to_keep(kernels, monkeypatch, padded, logits_to_keep):
+    """Gemma 4 slices prepared masks along the query dim for its KV-shared layers when ``logits_to_keep``
+    is set: "ffpa" crashed there ('KernelMask' object is not subscriptable). Sliding and full layers, all
+    four after the first two sharing K/V; fp64 weights and stand-in kernels, so "ffpa" must equal "sdpa"."""
+    pytest.importorskip("transformers.models.gemma4")
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(fa, "_DTYPES", (torch.bfloat16, torch.float16, torch.float64))
+    fa.register_ffpa_attention()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    if padded:
+        mask[0, :3] = 0
+    logits = {}
+    for impl in ("sdpa", "ffpa"):
+        config = gemma.tiny_gemma4_config(layers=4, sliding_window=3)
+        config.num_kv_shared_layers = 2
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(torch.float64)
+        stubs.CALLS.clear()
+        logits[impl] = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep).logits
+    assert logits["ffpa"].shape == (2, logits_to_keep, 64)
+    assert ("fwd", "ffpa") in stubs.CALLS and ("fwd", "fa4") in stubs.CALLS
+    torch.testing.assert_close(logits["ffpa"], logits["sdpa"], atol=1e-9, rtol=1e-9)

@@ -92,6 +92,7 @@ def test_factory_equals_hf_sdpa_mask(kind, side, cache, caplog):
             routed += 1
             assert torch.equal(kernel_visibility(got), truth), (args, got)
             assert torch.equal(got.sdpa_mask()[:, 0], truth)
+            _assert_query_slices_exact(got, truth)
         else:
             assert torch.equal(got[:, 0], truth) and "falling back" in caplog.text
     if side != "right" or kind.startswith("bidirectional"):
@@ -111,6 +112,25 @@ def test_packed_documents_from_position_ids_are_exact():
         assert isinstance(plan, KernelMask) and plan.varlen
         assert plan.cu_seqlens_q.tolist() == [0, 3, 5, 9, 15, 18]
         assert torch.equal(kernel_visibility(plan), hf_truth(**args))
+        _assert_query_slices_exact(plan, hf_truth(**args))
+
+
+def _assert_query_slices_exact(plan: KernelMask, truth: torch.Tensor) -> None:
+    """``plan[:, :, -n:, :]`` (how Gemma 4's KV-shared layers slice masks for ``logits_to_keep``) runs
+    exactly the last ``n`` rows of HF's mask, for every n."""
+    for n in range(1, plan.q_length + 1):
+        part = plan[:, :, -n:, :]
+        assert part.q_length == n and part.shape == (plan.batch_size, 1, n, plan.kv_length)
+        assert torch.equal(kernel_visibility(part), truth[:, -n:]), (n, part)
+        assert torch.equal(part.sdpa_mask()[:, 0], truth[:, -n:])
+
+
+def test_kernel_mask_refuses_other_indexing():
+    plan = fa.ffpa_mask(2, 5, 5)
+    for index in (0, (slice(None), 0), (slice(None), slice(None), slice(0, 2), slice(None)),
+                  (slice(None), slice(None), slice(None, None, 2), slice(None))):
+        with pytest.raises(TypeError, match="KernelMask"):
+            plan[index]
 
 
 @pytest.mark.parametrize("name", ["chunked", "or_overlay", "blockwise", "custom"])

@@ -192,6 +192,40 @@ class KernelMask:
             self._sdpa = self._materialize()
         return self._sdpa
 
+    def __getitem__(self, index) -> KernelMask:
+        """``mask[:, :, -n:, :]``: the plan of the last ``n`` queries, as HF slices prepared masks along the
+        query dim (Gemma 4's KV-shared layers with ``logits_to_keep``). Other indexing raises TypeError."""
+        whole = slice(None)
+        if not (isinstance(index, tuple) and len(index) == 4 and index[0] == index[1] == index[3] == whole
+                and isinstance(index[2], slice) and index[2].step in (None, 1)):
+            raise TypeError(f"KernelMask (the 'ffpa' launch plan of a [B, 1, Nq, Nk] mask): only the query slice "
+                            f"mask[:, :, start:, :] is supported, got {index!r}; use .sdpa_mask() for the tensor")
+        start, stop, _ = index[2].indices(self.q_length)
+        if stop != self.q_length:
+            raise TypeError(f"KernelMask: a query slice must keep the last queries (mask[:, :, start:, :]), got "
+                            f"{index[2]!r} of {self.q_length}")
+        return self._last_queries(self.q_length - start)
+
+    def _last_queries(self, n: int) -> KernelMask:
+        """The same keys and window for the last ``n`` queries: a window aligned to the bottom-right
+        diagonal does not move when queries are dropped from the top (in a varlen plan, from the top of
+        each row's segments)."""
+        drop = self.q_length - n
+        if drop <= 0:
+            return self
+        plan = KernelMask(self.batch_size, n, self.kv_length, self.window, self.cu_seqlens_q, self.cu_seqlens_k,
+                          self.max_seqlen_q, self.max_seqlen_k, self.kv_start, self.kv_stop,
+                          f"{self.description}, last {n} queries", dict(self.notes),
+                          lambda: self.sdpa_mask()[:, :, drop:, :])
+        if self.varlen:  # segments tile [B * Nq] row by row: keep each segment's rows past the row's first `drop`
+            cu = self.cu_seqlens_q.long()
+            starts, ends = cu[:-1], cu[1:]
+            first_kept = torch.div(ends - 1, self.q_length, rounding_mode="floor").clamp(min=0) * self.q_length + drop
+            lens = (ends - torch.maximum(starts, first_kept)).clamp(min=0) * (ends > starts)
+            plan.cu_seqlens_q = torch.cat([cu.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+            plan.max_seqlen_q = min(self.max_seqlen_q, n)
+        return plan
+
 
 def _shifted(left, right, shift: int):
     """The pattern's window seen from the bottom-right diagonal that sits ``shift`` keys left of it."""
