@@ -149,6 +149,9 @@ def _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     scale = static_scale(scale, q.shape[-1])  # TypeError/ValueError naming `scale`
     causal, left, right = canonical_mask(causal, *tuple(window))  # one spelling per mask
+    if family == "ffpa" and (left, right) != (None, None):  # on every backend, as the kernels refuse it
+        raise NotImplementedError(f"window_size {tuple(window)}: FFPA has no sliding-window kernel on sm90; use "
+                                  "family='fa4' (head_dim <= 256) for local layers")
     base = Config(family, scale, causal, (left, right), resolve_backend(backend))
     return VarlenConfig(base, max_seqlen_q, max_seqlen_k)
 
