@@ -25,6 +25,7 @@ around). JAX arrays are compact: for ``jax``, ``swapped`` means the function is 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -107,13 +108,10 @@ def make_inputs(cfg: Config, device) -> Inputs:
 
 
 def _mask_args(cfg: Config):
-    """``(causal, window)`` as the front end is called: canonical, or the other spelling of the same mask."""
-    e = cfg.entry
-    if cfg.opt("spelling") != "alt":
-        return e.causal, e.window
-    if e.causal:
-        return False, (None, 0)  # causal is the window (None, 0)
-    return True, (e.window[0], None)  # causal + a left window is the window (left, 0)
+    """``(causal, window)`` as the front end is called: the entry's canonical form, or the drawn spelling
+    of the same mask (``space.spellings``), or the refused form being tried (``space.refusals``)."""
+    form = cfg.opt("refuse") or cfg.opt("spelling")
+    return (form[0], form[1]) if form else (cfg.entry.causal, cfg.entry.window)
 
 
 def _sync(device) -> None:
@@ -125,9 +123,7 @@ def _sync(device) -> None:
 
 def _core_kwargs(cfg: Config, inp_cu, device) -> dict:
     causal, window = _mask_args(cfg)
-    kw = dict(softmax_scale=cfg.scale, causal=causal)
-    if cfg.entry.family == "fa4":
-        kw["window_size"] = window
+    kw = dict(softmax_scale=cfg.scale, causal=causal, window_size=window)
     if cfg.varlen:
         kw.update(cu_seqlens_q=inp_cu[0], cu_seqlens_k=inp_cu[1], max_seqlen_q=cfg.seqlen_q,
                   max_seqlen_k=cfg.seqlen_k)
@@ -243,10 +239,11 @@ def run_jax(cfg: Config, inp: Inputs, device) -> dict:
     arrays = {n: _to_jax(getattr(inp, n)) for n in ("q", "k", "v", "dout")}
     for n in swapped:  # the caller holds [B, H, N, D]; the differentiated function transposes
         arrays[n] = jnp.swapaxes(arrays[n], 1, 2)
-    kw = dict(scale=cfg.scale, causal=e.causal, backend="kernel")
+    causal, window = _mask_args(cfg)
+    kw = dict(scale=cfg.scale, causal=causal, backend="kernel")
     if cfg.varlen:
         cu_q, cu_k = _to_jax(inp.cu_q), _to_jax(inp.cu_k)
-        vkw = dict(kw, max_seqlen_q=cfg.seqlen_q, max_seqlen_k=cfg.seqlen_k, family=e.family, window_size=e.window)
+        vkw = dict(kw, max_seqlen_q=cfg.seqlen_q, max_seqlen_k=cfg.seqlen_k, family=e.family, window_size=window)
 
         def attn(q, k, v):
             return xj.varlen_attention(q, k, v, cu_q, cu_k, **vkw)
@@ -256,7 +253,7 @@ def run_jax(cfg: Config, inp: Inputs, device) -> dict:
     else:
         dense = xj.ffpa_attention if e.family == "ffpa" else xj.flash_attention
         low = xj.ffpa_fwd if e.family == "ffpa" else xj.fa4_fwd
-        wkw = {} if e.family == "ffpa" else dict(window_size=e.window)
+        wkw = {} if e.family == "ffpa" else dict(window_size=window)
 
         def unswap(q, k, v):
             return [jnp.swapaxes(x, 1, 2) if n in swapped else x for n, x in zip("qkv", (q, k, v))]
@@ -312,14 +309,33 @@ def references(cfg: Config, inp: Inputs) -> tuple[dict, dict]:
     return result[0], result[1]
 
 
+def refusal_check(cfg: Config, run) -> Check:
+    """Call ``run(cfg)`` with the configuration's refused form: it must raise the drawn error type with the
+    drawn words in its message (before any launch), else the check fails naming what happened."""
+    causal, window, error, words = cfg.opt("refuse")
+    try:
+        run(cfg)
+    except Exception as exc:  # judged below: the type and the message are the contract
+        ok = type(exc).__name__ == error and words in str(exc)
+        problems = [] if ok else [f"raised {type(exc).__name__}: {exc} (expected {error} naming {words!r})"]
+    else:
+        problems = [f"accepted causal={causal}, window_size={window} (expected {error} naming {words!r})"]
+    return Check("refusal", 0.0, 0.0, 1.0, problems)
+
+
 def evaluate(cfg: Config, device="cuda") -> list[Check]:
-    """Run ``cfg`` through its front end and compare every quantity with fp64 (``tolerance.py``)."""
+    """Run ``cfg`` through its front end and compare every quantity with fp64 (``tolerance.py``); a drawn
+    refused form is tried first and must raise its named error (one more check, ``refusal``)."""
     inp = make_inputs(cfg, device)
+    checks = []
+    if cfg.opt("refuse"):
+        checks.append(refusal_check(cfg, lambda c: RUNNERS[c.front_end](c, inp, device)))
+        cfg = dataclasses.replace(cfg, options=tuple((n, v) for n, v in cfg.options if n != "refuse"))
     got = RUNNERS[cfg.front_end](cfg, inp, device)
     _sync(device)
     ref64, ref_lp = references(cfg, inp)
     dt = DTYPES[cfg.entry.dtype]
-    return [compare(n, got[n], ref64[n], ref_lp[n], dt) for n in QUANTITIES]
+    return checks + [compare(n, got[n], ref64[n], ref_lp[n], dt) for n in QUANTITIES]
 
 
 def rerun_hint(cfg: Config) -> str:

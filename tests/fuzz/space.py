@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from xattn.core.spec import KernelSpec, supports
 
 __all__ = ["POOL", "FRONT_ENDS", "PoolEntry", "Config", "Limits", "GPU_LIMITS", "CPU_LIMITS", "launcher_pool",
-           "config_seed", "draw", "configs", "env_settings", "DEFAULT_SEED", "DEFAULT_N"]
+           "config_seed", "draw", "configs", "env_settings", "spellings", "refusals", "DEFAULT_SEED", "DEFAULT_N"]
 
 DEFAULT_SEED = 20261201
 DEFAULT_N = 300
@@ -274,11 +274,50 @@ def _layouts(rng: random.Random, names, varlen: bool, front_end: str) -> list[tu
     return out
 
 
+def spellings(entry: PoolEntry) -> list[tuple[bool, tuple]]:
+    """Every public ``(causal, window_size)`` form that means the entry's mask: the canonical one first,
+    then FlashAttention-2's ``-1`` for an unbounded side, causality as the window ``(None, 0)``, a causal
+    left window as ``causal=True`` with a left side, and right sides that causality clips."""
+    left, right = entry.window
+    if entry.causal:
+        return [(True, (None, None)), (True, (-1, -1)), (False, (None, 0)), (False, (-1, 0)), (True, (None, 5)),
+                (True, (-1, 17))]
+    if (left, right) == (None, None):
+        return [(False, (None, None)), (False, (-1, -1)), (False, (None, -1)), (False, (-1, None))]
+    if right == 0:
+        return [(False, (left, 0)), (True, (left, None)), (True, (left, -1)), (True, (left, 9))]
+    if left is None:
+        return [(False, (None, right)), (False, (-1, right))]
+    return [(False, (left, right))]
+
+
+# Forms that must be refused with a named error before any launch: (causal, window_size, error, message).
+_REFUSALS_ANY = [(False, (-2, 0), "ValueError", "window_size"), (True, (0, -3), "ValueError", "window_size"),
+                 (False, (-64, None), "ValueError", "window_size"), (False, (1.5, 0), "TypeError", "window_size")]
+_REFUSALS_FFPA = [(False, (3, 0), "NotImplementedError", "sliding-window"),
+                  (True, (3, None), "NotImplementedError", "sliding-window"),
+                  (True, (16, -1), "NotImplementedError", "sliding-window"),
+                  (False, (16, 16), "NotImplementedError", "sliding-window"),
+                  (False, (None, 4), "NotImplementedError", "sliding-window")]
+
+
+def refusals(front_end: str, entry: PoolEntry) -> list[tuple]:
+    """The refused forms a configuration of this entry may try first (none where the entry point takes no
+    window: ``xattn.jax.ffpa_attention`` on dense inputs)."""
+    if front_end == "jax" and entry.family == "ffpa" and not entry.varlen:
+        return []
+    return _REFUSALS_ANY + (_REFUSALS_FFPA if entry.family == "ffpa" else [])
+
+
 def _options(rng: random.Random, front_end: str, entry: PoolEntry) -> list[tuple[str, object]]:
     opts = []
-    alt = entry.family == "fa4" and (entry.causal or entry.window[1] == 0) and rng.random() < 0.5
-    if front_end in ("core", "core-jax", "torch") and alt:
-        opts.append(("spelling", "alt"))  # causal as window (None, 0); window (L, 0) as causal + (L, None)
+    forms = spellings(entry)
+    if front_end == "jax" and entry.family == "ffpa" and not entry.varlen:
+        forms = [f for f in forms if f[1] == (None, None)]  # ffpa_attention takes causal only
+    if len(forms) > 1 and rng.random() < 0.6:
+        opts.append(("spelling", rng.choice(forms[1:])))
+    if refusals(front_end, entry) and rng.random() < 0.25:
+        opts.append(("refuse", rng.choice(refusals(front_end, entry))))
     if front_end in ("core", "core-jax"):
         opts.append(("stream", rng.choice(["current", "explicit"])))
     if front_end == "core-jax":

@@ -97,7 +97,15 @@ def test_300_draws_cover_every_axis(drawn):
         kinds = Counter(kind.split(":")[0] for c in cfgs for _, kind in c.layouts)
         expected = {"swapped"} if fe == "jax" else {"swapped", "padded", "wide"}
         assert expected <= set(kinds), (fe, kinds)
-    assert any(c.opt("spelling") == "alt" for c in drawn["core"] + drawn["torch"])
+    for fe in ("core", "core-jax", "torch", "jax"):  # every public window form, and refused forms
+        forms = {(c.entry.causal, c.entry.window is not None and c.entry.window[1] == 0, c.opt("spelling"))
+                 for c in drawn[fe] if c.opt("spelling")}
+        assert any(s[1][0] == -1 or s[1][1] == -1 for *_, s in forms), fe  # FlashAttention-2's -1
+        assert any(s[0] and s[1] != (None, None) for *_, s in forms), fe  # causal with a window spelled out
+        refused = [c.opt("refuse") for c in drawn[fe] if c.opt("refuse")]
+        assert {r[2] for r in refused} == {"ValueError", "TypeError", "NotImplementedError"}, fe
+        assert any(c.entry.family == "ffpa" and c.opt("refuse")[2] == "NotImplementedError"
+                   for c in drawn[fe] if c.opt("refuse")), fe
     assert {c.opt("stream") for c in drawn["core"]} == {"current", "explicit"}
     assert {c.opt("outputs") for c in drawn["core-jax"]} == {"torch", "tvm_ffi"}
     assert {c.opt("entry") for c in drawn["torch"]} == {"attention_with_lse", "flash_attn_func"}
