@@ -35,7 +35,7 @@ import torch
 import xattn.core as xc
 from tests.reference import attention as ref_attention, varlen_attention as ref_varlen
 
-from .space import Config
+from .space import FORM_FRONT_ENDS, Config
 from .tolerance import Check, compare, lowprec_attention, lowprec_varlen_attention
 
 __all__ = ["CORE", "RUNNERS", "Inputs", "make_inputs", "place", "evaluate", "run_one", "QUANTITIES"]
@@ -325,7 +325,12 @@ def refusal_check(cfg: Config, run) -> Check:
 
 def evaluate(cfg: Config, device="cuda") -> list[Check]:
     """Run ``cfg`` through its front end and compare every quantity with fp64 (``tolerance.py``); a drawn
-    refused form is tried first and must raise its named error (one more check, ``refusal``)."""
+    refused form is tried first and must raise its named error (one more check, ``refusal``). The
+    drop-in front ends are judged by ``forms_harness.py``."""
+    if cfg.front_end in FORM_FRONT_ENDS:
+        from .forms_harness import evaluate_form
+
+        return evaluate_form(cfg, device)
     inp = make_inputs(cfg, device)
     checks = []
     if cfg.opt("refuse"):

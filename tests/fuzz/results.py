@@ -21,7 +21,7 @@ import math
 import os
 from pathlib import Path
 
-from .space import POOL, Config
+from .space import ALL_FRONT_ENDS, POOL, Config
 from .tolerance import K
 
 __all__ = ["Collector", "output_path", "DESCRIPTIONS"]
@@ -33,6 +33,12 @@ DESCRIPTIONS = {
                 "some as raw tvm_ffi.Tensor views",
     "torch": "xattn.torch.attention_with_lse / xattn.torch.fa4.flash_attn(_varlen)_func + torch.autograd",
     "jax": "xattn.jax ffpa_attention / flash_attention / varlen_attention under jax.vjp (eager or jit)",
+    "hf": "xattn.torch.ffpa_attention.ffpa_attention_forward (HF 'ffpa'): no mask, 2D masks of any width, 4D masks, "
+          "the 'ffpa' factory's masks with cache offsets and padding; + torch.autograd",
+    "fa4-doc": "xattn.torch.fa4 document_causal_fa4_attention (shards, runs of 1, padding ids 0/-1/-3) and "
+               "causal_fa4_attention; + torch.autograd",
+    "jax-nn": "xattn.jax.dot_product_attention with is_causal, local_window_size, query/key_value_seq_lengths, "
+              "T != S; under jax.vjp",
 }
 TOLERANCE = ("per quantity: max|x - x64| <= K * max|x_lowprec - x64| + eps(dtype) * max(max|x64|, 1), "
              f"K = {K}; x_lowprec: the same attention computed in the input dtype (tests/fuzz/tolerance.py)")
@@ -94,7 +100,7 @@ class Collector:
                         if r.get("front_end") not in self.rows]
             except (ValueError, AttributeError):
                 kept = []
-        order = {"core": 0, "core-jax": 1, "torch": 2, "jax": 3}
+        order = {fe: i for i, fe in enumerate(ALL_FRONT_ENDS)}
         rows = sorted(kept + new, key=lambda r: order.get(r.get("front_end"), 9))
         doc = {"suite": "pytest -m fuzz tests/fuzz (random configurations vs fp64, forward and backward)",
                "tolerance": TOLERANCE, "pool_launchers": 2 * len(POOL), "rows": rows}

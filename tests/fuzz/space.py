@@ -12,7 +12,8 @@ front end's own choices (entry point, stream, mask spelling, jit).
 Seeds: the base seed is ``XATTN_FUZZ_SEED`` (default :data:`DEFAULT_SEED`); configuration ``i`` of a
 front end gets ``config_seed(base, front_end, i)``, and ``draw(front_end, seed)`` rebuilds it from
 that seed alone, so ``XATTN_FUZZ_ONLY=<seed>[,<seed>...]`` reruns one failing configuration.
-``XATTN_FUZZ_N`` configurations per front end (default 300).
+``XATTN_FUZZ_N`` configurations per front end (default 1000). The drop-in front ends (``hf``, ``fa4-doc``,
+``jax-nn``) draw their argument forms in ``forms.py`` from the same seeds.
 
 Imports neither torch nor jax (the prefill script imports it).
 """
@@ -28,11 +29,14 @@ from dataclasses import dataclass, field
 from xattn.core.spec import KernelSpec, supports
 
 __all__ = ["POOL", "FRONT_ENDS", "PoolEntry", "Config", "Limits", "GPU_LIMITS", "CPU_LIMITS", "launcher_pool",
-           "config_seed", "draw", "configs", "env_settings", "spellings", "refusals", "DEFAULT_SEED", "DEFAULT_N"]
+           "config_seed", "draw", "configs", "env_settings", "spellings", "refusals", "DEFAULT_SEED", "DEFAULT_N",
+           "FORM_FRONT_ENDS", "ALL_FRONT_ENDS"]
 
 DEFAULT_SEED = 20261201
-DEFAULT_N = 300
-FRONT_ENDS = ("core", "core-jax", "torch", "jax")
+DEFAULT_N = 1000
+FRONT_ENDS = ("core", "core-jax", "torch", "jax")  # xattn's own entry points, on the launcher pool
+FORM_FRONT_ENDS = ("hf", "fa4-doc", "jax-nn")  # the drop-ins, over their peers' argument forms (forms.py)
+ALL_FRONT_ENDS = FRONT_ENDS + FORM_FRONT_ENDS
 _SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -399,6 +403,10 @@ def configs(front_end: str, n: int | None = None, base: int | None = None, only=
     n = env_n if n is None else n
     only = env_only if only is None else only
     seeds = list(only) if only else [config_seed(base, front_end, i) for i in range(n)]
+    if front_end in FORM_FRONT_ENDS:
+        from .forms import draw_form
+
+        return [draw_form(front_end, s, limits) for s in seeds]
     out = [draw(front_end, s, limits) for s in seeds]
     for cfg in out:
         for spec in cfg.specs():

@@ -29,7 +29,8 @@ import torch
 
 from tests.reference import allowed
 
-__all__ = ["K", "eps", "lowprec_attention", "lowprec_varlen_attention", "max_err", "compare", "Check"]
+__all__ = ["K", "eps", "lowprec_attention", "lowprec_varlen_attention", "masked_attention", "max_err", "compare",
+           "Check"]
 
 K = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 _EPS = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23,
@@ -61,6 +62,20 @@ def lowprec_attention(q, k, v, *, scale: float, causal: bool = False, window=(No
     lse = torch.logsumexp(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1)
     lse = lse.masked_fill(~any_key, float("-inf"))
     return out, lse
+
+
+def masked_attention(q, k, v, mask, *, scale: float) -> torch.Tensor:
+    """out ``[B, Nq, Hq, Dv]`` computed in q's dtype under an explicit bool mask ``[B, Nq, Nk]`` (True =
+    attend), rounded as :func:`lowprec_attention` rounds; rows without a visible key give 0 (and no
+    gradient). Differentiable. The drop-in front ends' masks (HF, FA4 helpers, jax.nn) are judged on it."""
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
+    m = mask[:, None].to(s.device)
+    any_key = m.any(-1, keepdim=True)
+    s = s.masked_fill(~(m | ~any_key), float("-inf"))  # empty rows: softmax over all, then 0
+    p = torch.softmax(s, dim=-1).masked_fill(~any_key, 0)
+    return torch.einsum("bhnm,bmhd->bnhd", p, v)
 
 
 def _lse_dtype(q) -> torch.dtype:

@@ -1,0 +1,14 @@
+"""GPU fuzz, front end ``fa4-doc``: the drop-in over its peer's argument forms (tests/fuzz/forms.py).
+
+``pytest -m fuzz``; configurations in forms.py, the verdict in forms_harness.py."""
+
+import pytest
+
+from .harness import run_one
+
+pytestmark = [pytest.mark.gpu, pytest.mark.fuzz]
+FRONT_END = "fa4-doc"
+
+
+def test_fuzz(fuzz_config, fuzz_collector):
+    run_one(fuzz_config, fuzz_collector, "cuda")
