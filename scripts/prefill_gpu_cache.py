@@ -94,6 +94,8 @@ def specs(recorded=None, fuzz=False):
     add("fa4", 256, 256, 2, False, window=(1023, 0), dtype="float16")
     for window in ((1500, 0), (137, 0), (100, 37)):  # JAX ring halo tests (d128 GQA 4)
         add("fa4", 128, 128, 4, False, window=window)
+    for window in ((6, 0), (6, None), (None, 4), (0, 0), (3, 2)):  # window spellings (test_window_forms_gpu.py)
+        add("fa4", 128, 128, 2, False, window=window)
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

@@ -15,7 +15,8 @@ semantics, independently of xattn's planning code:
 * ``jax-nn``: jax.nn's top-left causal / window / length masks; rows with no visible key are 0
   (xattn's documented difference). Rows the docstring says come out NaN (key padding under a causal
   or windowed dense launch) must be NaN and are not judged otherwise; FFPA refusing a window with
-  ``NotImplementedError`` is the documented outcome for head dims 320-512.
+  ``NotImplementedError`` is the documented outcome for head dims 320-512 (on the kernels; the
+  ``backend="reference"`` option of the CPU slice computes both exactly).
 
 Rows not judged get a zero cotangent, so the gradients are judged whole.
 """
@@ -168,11 +169,12 @@ def _jax_nn_truth(cfg: FormConfig, device):
     if q_len is not None:
         vis &= (i[None] < torch.tensor(q_len, device=device)[:, None, None])
     nan_rows = torch.zeros(b, t, dtype=torch.bool, device=device)
+    kernels = cfg.arg("backend", "kernel") == "kernel"  # the reference computes every row
     if kv_len is not None:
         kv = torch.tensor(kv_len, device=device)[:, None]
         vis &= j[None] < kv[:, :, None]
         bound = 0 if causal else right  # the docstring: a dense launch that cannot cut keys at kv_len
-        if bound is not None:
+        if bound is not None and kernels:
             seen = vis.any(-1)
             nan_rows = seen & (torch.arange(t, device=device)[None] + bound >= kv) & (kv < s)
     return vis, nan_rows
@@ -194,7 +196,7 @@ def run_jax_nn(cfg: FormConfig, x: dict, device):
 
     def attn(q, k, v):
         return xj.dot_product_attention(q, k, v, scale=cfg.scale, is_causal=cfg.arg("is_causal"),
-                                        local_window_size=w, backend="kernel", **lens)
+                                        local_window_size=w, backend=cfg.arg("backend", "kernel"), **lens)
     out, pull = jax.vjp(attn, *arrays)
     dout = x["dout"].masked_fill(nan_rows[:, :, None, None], 0)
     grads = pull(jnp.from_dlpack(dout.contiguous()))
@@ -224,7 +226,8 @@ def evaluate_form(cfg: FormConfig, device="cuda") -> list[Check]:
     try:
         res = RUNNERS[cfg.front_end](cfg, x, device)
     except NotImplementedError as exc:
-        documented = cfg.front_end == "jax-nn" and cfg.head_dim >= 320 and cfg.arg("local_window_size") is not None
+        documented = cfg.front_end == "jax-nn" and cfg.head_dim >= 320 and cfg.arg("local_window_size") is not None \
+            and cfg.arg("backend", "kernel") == "kernel"
         if documented and "sliding window" in str(exc):
             return [Check("refusal", 0.0, 0.0, 1.0, [])]  # FFPA has no window: documented, named
         raise

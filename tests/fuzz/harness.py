@@ -11,7 +11,8 @@ Front ends (``Config.front_end``):
 * ``torch``: ``xattn.torch.attention_with_lse`` (or, for FA4, ``xattn.torch.fa4.flash_attn_func`` /
   ``flash_attn_varlen_func``) with autograd;
 * ``jax``: ``xattn.jax.ffpa_attention`` / ``flash_attention`` / ``varlen_attention`` under ``jax.vjp``
-  (eagerly or under ``jax.jit``), lse from ``ffpa_fwd`` / ``fa4_fwd`` / ``varlen_fwd``.
+  (eagerly or under ``jax.jit``), lse from ``ffpa_fwd`` / ``fa4_fwd`` / ``varlen_fwd``; the kernels, or
+  with the option ``backend="reference"`` (the CPU slice) xattn.jax's own pure-jnp path.
 
 Buffer layouts (``Config.layout``): ``contiguous``; ``swapped`` (``[B, H, N, D]`` / ``[H, T, D]``
 storage viewed as ``[B, N, H, D]`` / ``[T, H, D]``, what Hugging Face hands over); ``padded:P`` (head
@@ -240,7 +241,7 @@ def run_jax(cfg: Config, inp: Inputs, device) -> dict:
     for n in swapped:  # the caller holds [B, H, N, D]; the differentiated function transposes
         arrays[n] = jnp.swapaxes(arrays[n], 1, 2)
     causal, window = _mask_args(cfg)
-    kw = dict(scale=cfg.scale, causal=causal, backend="kernel")
+    kw = dict(scale=cfg.scale, causal=causal, backend=cfg.opt("backend", "kernel"))
     if cfg.varlen:
         cu_q, cu_k = _to_jax(inp.cu_q), _to_jax(inp.cu_k)
         vkw = dict(kw, max_seqlen_q=cfg.seqlen_q, max_seqlen_k=cfg.seqlen_k, family=e.family, window_size=window)

@@ -1,7 +1,10 @@
 """The widened fuzz on the CPU (CI): a few hundred drawn configurations over every front end, pool and
 drop-in, with stand-in kernels (tests/torch/stubs.py fp64 reference; tests/jax/numpy_launcher.py behind
-XLA FFI), judged against fp64 exactly as the GPU run judges the kernels. JAX configurations keep to fp16
-(NumPy has no bfloat16 for the stand-in launcher)."""
+XLA FFI), judged against fp64 exactly as the GPU run judges the kernels. JAX configurations on the
+stand-in keep to fp16 (NumPy has no bfloat16 for it); ``jax@reference`` / ``jax-nn@reference`` run
+xattn.jax's own CPU path (``backend="reference"``, both dtypes), what a laptop runs."""
+
+import dataclasses
 
 import pytest
 
@@ -12,36 +15,42 @@ from .forms import draw_form
 from .results import Collector
 from .test_standin import standins  # noqa: F401  (the stand-in kernels fixture)
 
-N = {"core": 40, "core-jax": 30, "torch": 40, "jax": 25, "hf": 60, "fa4-doc": 40, "jax-nn": 30}
+N = {"core": 40, "core-jax": 30, "torch": 40, "jax": 25, "hf": 60, "fa4-doc": 40, "jax-nn": 30,
+     "jax@reference": 12, "jax-nn@reference": 15}
 FP16_POOL = tuple(e for e in space.POOL if e.dtype == "float16")
 
 
-def _configs(front_end: str) -> list:
+def _configs(name: str) -> list:
+    front_end, _, backend = name.partition("@")
     out, i = [], 0
-    while len(out) < N[front_end]:
-        seed = space.config_seed(7, front_end, i)
+    while len(out) < N[name]:
+        seed = space.config_seed(7, name, i)
         i += 1
         if front_end in space.FORM_FRONT_ENDS:
             cfg = draw_form(front_end, seed, space.CPU_LIMITS)
-            if front_end == "jax-nn" and cfg.dtype != "float16":
+            if front_end == "jax-nn" and cfg.dtype != "float16" and not backend:
                 continue
+            if backend:
+                cfg = dataclasses.replace(cfg, form=cfg.form + (("backend", backend),))
         else:
-            pool = FP16_POOL if front_end == "jax" else space.POOL
+            pool = FP16_POOL if front_end == "jax" and not backend else space.POOL
             cfg = space.draw(front_end, seed, space.CPU_LIMITS, pool=pool)
+            if backend:
+                cfg = dataclasses.replace(cfg, options=cfg.options + (("backend", backend),))
         out.append(cfg)
     return out
 
 
-@pytest.mark.parametrize("front_end", space.ALL_FRONT_ENDS)
-def test_cpu_slice_of_the_fuzz(front_end, standins, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("name", list(N))
+def test_cpu_slice_of_the_fuzz(name, standins, monkeypatch):  # noqa: F811
     monkeypatch.setattr(fa, "kernels_available", lambda: None)
-    collector = Collector(7, N[front_end], kernels="stand-in")
+    collector = Collector(7, N[name], kernels="stand-in")
     failures = []
-    for cfg in _configs(front_end):
+    for cfg in _configs(name):
         try:
             harness.run_one(cfg, collector, "cpu")
         except AssertionError as exc:
             failures.append(str(exc)[:600])
     (row,) = collector.table("cpu")
     assert not failures, f"{len(failures)} of {row['configs']} failed:\n" + "\n\n".join(failures[:5])
-    assert row["passed"] == N[front_end]
+    assert row["passed"] == N[name]
