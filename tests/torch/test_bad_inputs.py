@@ -134,7 +134,10 @@ DENSE = [
     case("scale-string", _dense(softmax_scale="0.05"), TypeError, "softmax_scale", "str"),
     case("causal-string", _dense(causal="no"), TypeError, "causal", "str"),
     case("window-not-a-pair", _dense(window_size=63), TypeError, "window_size"),
-    case("window-negative-left", _window(window_size=(-5, 0)), None, gpu=False),  # as FlashAttention's -1: unbounded
+    case("window-negative-left", _window(window_size=(-5, 0)), ValueError, "window_size", "left side"),
+    case("window-fa2-unbounded-left", _window(window_size=(-1, 0))),  # FlashAttention's -1: causal, vs fp64
+    case("window-on-ffpa", _dense(window_size=(63, 0)), NotImplementedError, "sliding-window"),
+    case("causal-fa2-unbounded-on-ffpa", _dense(causal=True, window_size=(-1, -1))),  # plain causal, vs fp64
     # dtypes and ranks
     case("fp32", _dense(dtype=torch.float32), TypeError, "q:", "float16 or bfloat16", "float32"),
     case("fp64", _dense(dtype=torch.float64), TypeError, "q:", "float64"),
