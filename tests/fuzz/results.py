@@ -24,7 +24,7 @@ from pathlib import Path
 from .space import ALL_FRONT_ENDS, POOL, Config
 from .tolerance import K
 
-__all__ = ["Collector", "output_path", "DESCRIPTIONS"]
+__all__ = ["Collector", "output_path", "DESCRIPTIONS", "DIMENSIONS"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DESCRIPTIONS = {
@@ -40,6 +40,21 @@ DESCRIPTIONS = {
     "jax-nn": "xattn.jax.dot_product_attention with is_causal, local_window_size, query/key_value_seq_lengths, "
               "T != S; under jax.vjp",
 }
+DIMENSIONS = [  # what the configurations vary (issue #22 widened the space: the last six lines)
+    "launcher pool: every FA4 head-dim pair, FFPA 320/336/384/448/512, fp16/bf16, GQA 1-8, full/causal/windows",
+    "shapes: batch, Nq != Nk (1, tiny, not a tile multiple), heads; varlen documents of length 0 and 1",
+    "memory layouts: contiguous, heads-major (HF), padded head dim, slices of wider head storage",
+    "window_size in every public spelling: None, ints, 0, FlashAttention-2's -1, causal with a window, "
+    "right sides that causality clips",
+    "refused forms (named error before any launch): FFPA windows, negative sides other than -1, non-int sides",
+    "HF ffpa_attention_forward: no mask, 2D padding masks as wide as / narrower / wider than the keys, 4D bool "
+    "and additive masks, the 'ffpa' factory's masks (causal, sliding, bidirectional) with cache offsets and padding",
+    "NeMo FA4 helpers: document_causal_fa4_attention query shards, runs of length 1, padding ids 0 / -1 / -3; "
+    "causal_fa4_attention",
+    "xattn.jax.dot_product_attention: is_causal, local_window_size (int or pair), query/key_value_seq_lengths "
+    "(0 and full included), T != S",
+    "the CPU slice (CI) also runs xattn.jax's reference backend",
+]
 TOLERANCE = ("per quantity: max|x - x64| <= K * max|x_lowprec - x64| + eps(dtype) * max(max|x64|, 1), "
              f"K = {K}; x_lowprec: the same attention computed in the input dtype (tests/fuzz/tolerance.py)")
 
@@ -103,7 +118,7 @@ class Collector:
         order = {fe: i for i, fe in enumerate(ALL_FRONT_ENDS)}
         rows = sorted(kept + new, key=lambda r: order.get(r.get("front_end"), 9))
         doc = {"suite": "pytest -m fuzz tests/fuzz (random configurations vs fp64, forward and backward)",
-               "tolerance": TOLERANCE, "pool_launchers": 2 * len(POOL), "rows": rows}
+               "tolerance": TOLERANCE, "pool_launchers": 2 * len(POOL), "dimensions": DIMENSIONS, "rows": rows}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
