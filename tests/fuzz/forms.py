@@ -34,7 +34,9 @@ _SHORT = {BF: "bf16", FP: "fp16"}
 # (head_dim, head_dim_v, q heads per kv head, dtype): mostly launchers the GPU tests compile anyway.
 HF_HEADS = ((512, 512, 1, BF), (512, 512, 4, BF), (512, 512, 8, BF), (512, 512, 8, FP), (256, 256, 2, BF),
             (256, 256, 2, FP), (128, 128, 1, BF), (128, 128, 4, FP))
-DOC_HEADS = tuple((d, dv, g, dt) for d, dv in ((128, 128), (192, 128), (256, 256)) for g in (1, 2, 4) for dt in (BF, FP))
+# FA4's sm90 backward has no GQA for 192/128 (a named NotImplementedError): that pair runs MHA only.
+DOC_HEADS = tuple((d, dv, g, dt) for d, dv in ((128, 128), (192, 128), (256, 256)) for g in (1, 2, 4) for dt in (BF, FP)
+                  if g == 1 or d == dv)
 JAX_NN_HEADS = ((128, 128, 1, FP), (128, 128, 2, BF), (256, 256, 2, FP), (512, 512, 4, BF), (512, 512, 1, FP))
 HF_SLIDING = {512: 16, 256: 16, 128: 101}  # the model's sliding_window per head dim
 JAX_NN_T = (1, 7, 64, 100, 255)

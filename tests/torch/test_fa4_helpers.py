@@ -284,3 +284,13 @@ def test_causal_fa4_attention_names_its_scale_parameter():
     with pytest.raises(ValueError, match=r"^scale") as info:
         causal_fa4_attention(q, q, q, scale=float("nan"))
     assert "softmax_scale" not in str(info.value)
+
+
+def test_fa4_entry_point_judges_the_right_side_that_causal_overrides():
+    flash_attn_func, _ = fa4._load_fa4()
+    q = _rand(1, 6, 2, 128)
+    with pytest.raises(ValueError, match="window_size: the right side"):
+        flash_attn_func(q, q, q, causal=True, window_size=(0, -3))
+    out, _ = flash_attn_func(q, q, q, causal=True, window_size=(2, 7))  # a right side >= 0: clipped by causal
+    ref, _ = flash_attn_func(q, q, q, window_size=(2, 0))
+    torch.testing.assert_close(out, ref)

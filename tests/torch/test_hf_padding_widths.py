@@ -92,3 +92,32 @@ def test_2d_mask_of_another_batch_raises():
     q, k, v = _inputs(6, 6, 512)
     with pytest.raises(ValueError, match="needs batch 2"):
         fa.ffpa_attention_forward(_Module(), q, k, v, torch.ones(3, 6, dtype=torch.long), scaling=0.1)
+
+
+def uniform_dead_rows_sdpa(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+    """An SDPA that, like CUDA's memory-efficient kernel on the H200, returns a nonzero average for rows
+    whose keys are all masked (CPU SDPA returns 0 there, which hid the difference)."""
+    g = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(g, 1).float(), value.repeat_interleave(g, 1).float()
+    s = (query.float() @ k.transpose(-1, -2)) * scaling
+    s = s.masked_fill(~mask, -1e4) if mask.dtype == torch.bool else s + mask.float().clamp_min(-1e4)
+    p = torch.softmax(s, -1)
+    return (p @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("keep", [((0, 0, 0, 0, 0, 0),), ((1, 1, 1, 0, 0, 0, 0, 0),)], ids=["all-padding", "wider"])
+def test_fallback_rows_without_keys_are_zero_whatever_sdpa_does(monkeypatch, keep):
+    """Found by the GPU fuzz: a 2D mask that leaves a row without keys falls back to SDPA, and on CUDA SDPA's
+    result for that row was not the 0 the kernels (and the CPU) give."""
+    from xattn.torch import hf_fallback
+
+    monkeypatch.setattr(hf_fallback, "get_sdpa", lambda: uniform_dead_rows_sdpa)
+    fa._SDPA_FN = None
+    q, k, v = _inputs(2, 5, 256)
+    q, k, v = q[:1], k[:1], v[:1]
+    mask = torch.tensor(keep, dtype=torch.long)
+    out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, mask, scaling=0.1)
+    want = _expected(q, k, v, mask, 0.1)
+    assert torch.all(out[want.abs().sum((-1, -2)) == 0] == 0)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    fa._SDPA_FN = None

@@ -27,6 +27,9 @@ def _check(out, q, k, v, causal, window, scale):
     ref, _ = ref_attention(q64, k64, v64, scale=scale, causal=causal, window=window)
     want = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *want)):
+        if not bool(b.any()):  # e.g. dq of the window (0, 0): one key per row, so exactly 0
+            assert a.abs().max().item() < 1e-3, name
+            continue
         assert rel_err(a, b) < 1e-2, name
 
 

@@ -34,8 +34,10 @@ from typing import Any
 
 import torch
 
+from xattn.core.checks import check_window
 from xattn.core.device import prepare_dsl_environment
 from xattn.core.info import _missing
+from xattn.core.spec import window_side
 
 from .attention import attention, attention_with_lse
 
@@ -122,8 +124,12 @@ def _refuse_unsupported(fn, given: dict[str, Any]) -> None:
 
 
 def _fa4_window(causal: bool, window_size) -> tuple:
-    """flash_attn.cute's reading of ``window_size``: ``(-1, -1)`` means unbounded; causal forces right = 0."""
-    left, right = window_size
+    """flash_attn.cute's reading of ``window_size``: ``(-1, -1)`` means unbounded; causal forces right = 0.
+    Each side is first judged as everywhere in xattn (``None`` / ``-1`` unbounded, other negatives raise),
+    also the right side that causality then overrides."""
+    left, right = check_window(window_size)
+    window_side("left", left)
+    window_side("right", right)
     if left is not None and right is not None and left < 0 and right < 0:
         left = right = None
     if causal and (left is not None or right is not None):

@@ -432,8 +432,8 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
         plan = _padding_plan(module, query, key, keep, base, kwargs)
         if plan is None:
             window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
-            return _fallback(module, query, key, value, _padding_sdpa_mask(query, key, keep, base, window),
-                             dropout, scaling, softcap, kwargs)
+            return _exact_fallback(module, query, key, value, _padding_sdpa_mask(query, key, keep, base, window),
+                                   dropout, scaling, softcap, kwargs)
     elif attention_mask is not None and not isinstance(attention_mask, KernelMask):
         if not getattr(attention_mask, "_xattn_factory_fallback", False):  # the factory warned already
             _warn_once("4d_mask", "a mask tensor from outside the ffpa mask factory runs on SDPA as given")
@@ -443,7 +443,7 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
     reason = _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs)
     if reason is not None:
         _warn_once(*reason, target="eager" if reason[0] in ("softcap", "s_aux") else "sdpa")
-        return _fallback(module, query, key, value, plan.sdpa_mask(), dropout, scaling, softcap, kwargs)
+        return _exact_fallback(module, query, key, value, plan.sdpa_mask(), dropout, scaling, softcap, kwargs)
     return _run_kernels(plan, query, key, value, scaling), None
 
 
@@ -501,6 +501,17 @@ def _check_sharded_positions(group, position_ids, n_local: int, plan: KernelMask
                          "positions restarting inside a row cannot run on the ring")
     if plan is not None:
         plan.notes["positions_checked"] = True
+
+
+def _exact_fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
+    """:func:`_fallback` with a mask xattn built (bool ``[B, 1, Nq, Nk]``): rows that see no key come out 0, as
+    on the kernels. SDPA leaves them to its backend (CUDA's memory-efficient kernel returns nonzero values
+    there, measured on the H200; the CPU returns 0), so the result would depend on the device."""
+    out, weights = _fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs)
+    dead = ~mask.any(-1)  # [B or 1, 1, Nq]
+    if bool(dead.any()):
+        out = out.masked_fill(dead[:, 0, :, None, None], 0.0)
+    return out, weights
 
 
 def _fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
