@@ -3,7 +3,7 @@
 The GPU fuzz tests are opt-in: they are generated only when the mark expression selects ``fuzz``
 (``pytest -m fuzz``), the command line names a fuzz path on a machine with a GPU (``pytest -m gpu
 tests/fuzz``, what ``scripts/gpu_run.sh tests-fuzz`` runs) or ``XATTN_FUZZ_ONLY`` names configurations; otherwise each
-front end shows one skipped placeholder, so neither CPU CI nor ``pytest -m gpu`` pays for 4 x 300
+front end shows one skipped placeholder, so neither CPU CI nor ``pytest -m gpu`` pays for 7 x 1000
 configurations. Without a GPU they skip like every ``gpu`` test (tests/conftest.py).
 """
 
