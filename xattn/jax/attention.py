@@ -245,7 +245,8 @@ def flash_attention(q, k, v, *, scale: float | None = None, causal: bool = False
     """FlashAttention-4 attention (head_dim <= 256, e.g. 128 or 192/128), differentiable.
 
     Same conventions as :func:`ffpa_attention`; ``window_size=(left, right)`` selects
-    sliding-window attention (bottom-right aligned, ``None`` = unbounded side).
+    sliding-window attention (bottom-right aligned; ``None`` or ``-1`` = unbounded side, under ``causal=True``
+    inside the causal mask; other negative sides raise ValueError).
     """
     check_dense(q, k, v)
     return _attention(_config("fa4", q, scale, causal, window_size, backend), q, k, v)

@@ -2,8 +2,10 @@
 
 q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` (or varlen ``[T, H, D]`` with int32
 ``cu_seqlens_q/k`` and ``max_seqlen_q/k``), fp16/bf16 CUDA tensors. Causal and windows are
-bottom-right aligned (FlashAttention); ``window_size=(left, right)``, ``None`` = unbounded, and
-``causal=True`` with a left window is the window ``(left, 0)``. ``family`` defaults by head dim
+bottom-right aligned (FlashAttention); ``window_size=(left, right)``, ``None`` or ``-1`` = unbounded
+(other negative sides raise ValueError), and ``causal=True`` with a left window is the window ``(left, 0)``
+(``causal=True, window_size=(-1, -1)`` is plain causal). FFPA (head_dim 320-512) has no window kernel: a
+bounded window raises NotImplementedError. ``family`` defaults by head dim
 (:func:`xattn.core.spec.family_for`); unsupported dims get the core's NotImplementedError.
 
 Edge cases: an input whose last dim is not contiguous is copied to a contiguous one (as FlashAttention);

@@ -14,8 +14,8 @@ Layouts:
 * The entry points returned by :func:`_load_fa4` keep FlashAttention's layouts: dense ``[B, N, H, D]``,
   varlen ``[T, H, D]`` with int32 ``cu_seqlens``; lse ``[B, H, N]`` / ``[H, T]`` fp32.
 
-Document ids are integer tensors ``[batch, sequence]``: documents numbered from 1, ``_PAD_DOC_ID`` (0) for
-padding. Every run of equal ids in a row is one varlen segment, cut where the local query shard ends, so
+Document ids are integer tensors ``[batch, sequence]``: documents numbered from 1, ids ``<= 0`` for padding
+(``_PAD_DOC_ID``, 0, as NeMo writes them; -1 too). Every run of equal ids in a row is one varlen segment, cut where the local query shard ends, so
 a query at global position ``p`` sees exactly the keys of its run up to ``p``: FA4's causal mask is
 aligned to the bottom-right corner of each segment. Segments without local queries keep their keys, so
 the key segments tile the flattened ``[batch * key_sequence]`` tensor and nothing is gathered. Padding
@@ -338,7 +338,7 @@ def document_causal_fa4_attention(query: torch.Tensor, key: torch.Tensor, value:
 
     ``query [B, Hq, Nq, D]`` holds global positions ``q_global_start .. q_global_start + Nq - 1`` of each
     row; ``key [B, Hkv, Nk, D]`` and ``value [B, Hkv, Nk, Dv]`` hold all ``Nk`` positions. ``q_doc_ids [B, Nq]``
-    / ``kv_doc_ids [B, Nk]``: document ids (0 = padding), ``q_doc_ids`` being the shard's slice of
+    / ``kv_doc_ids [B, Nk]``: document ids (``<= 0`` = padding), ``q_doc_ids`` being the shard's slice of
     ``kv_doc_ids``. A query sees the keys of its document run up to its own position. Returns
     ``[B, Hq, Nq, Dv]`` (SDPA layout), differentiable; padding queries are zero. ``scale`` multiplies
     ``q @ k^T``. Unequal qk/v head dims (192/128) run as they are."""

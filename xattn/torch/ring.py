@@ -341,7 +341,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     q ``[B, N_local, Hq, D]``, k/v ``[B, N_local, Hkv, D/Dv]``: this rank's shard in the
     load-balanced layout of :func:`shard_sequence` (N_local = 2 chunks of the global N / 2P).
     Returns out ``[B, N_local, Hq, Dv]`` (q's dtype) for the same rows. ``causal`` and
-    ``window_size=(left, right)`` (``None`` = unbounded) act on global positions, as in
+    ``window_size=(left, right)`` (``None`` or ``-1`` = unbounded) act on global positions, as in
     :func:`xattn.torch.attention` with Nq == Nk; a window needs both sides finite (causal
     counts as right 0). ``softmax_scale`` defaults to 1/sqrt(D); ``family`` to the head dim's.
 
