@@ -43,3 +43,26 @@ def test_cache_lists_and_clears_gemm_launchers(tmp_path):
     assert "gemm/mm_dq" in run("cache", "list")
     assert "removed 1 entries" in run("cache", "clear")
     assert not list(tmp_path.glob("*.o"))
+
+
+def test_warmup_argument_errors_are_usage_errors_not_tracebacks():
+    """Found by a newcomer (#26): these printed tracebacks, or exited 0 having built nothing."""
+    cases = [(("--model", "llama"), "invalid choice: 'llama'"),
+             (("--head-dims", "abc"), "expected D or D:Dv"),
+             (("--head-dims", "100", "--dry-run"), "nothing to build: no kernel family serves head dims 100/100"),
+             (("--gqa", "0"), "expected a positive int, got 0"),
+             (("--model", "gemma4", "--head-dims", "128"), "cannot be combined with --head-dims")]
+    for args, words in cases:
+        res = subprocess.run([sys.executable, "-m", "xattn", "warmup", *args], capture_output=True, text=True)
+        assert res.returncode == 2, (args, res.returncode, res.stderr)
+        assert words in res.stderr and "Traceback" not in res.stderr, (args, res.stderr)
+
+
+def test_warmup_presets_named_by_the_cli_are_the_cores():
+    from xattn.__main__ import MODEL_PRESETS
+    from xattn.core.warmup import PRESETS
+
+    assert set(MODEL_PRESETS) == set(PRESETS)
+    listed = _run("warmup", "--head-dims", "512", "192:128", "--gqa", "4", "--dry-run").split()
+    assert "ffpa_fwd_bfloat16_d512x512_g4_causal_dense_sm_90a" in listed
+    assert "fa4_fwd_bfloat16_d192x128_g4_full_dense_sm_90a" in listed
