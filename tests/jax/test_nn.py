@@ -1,8 +1,10 @@
 """xattn.jax.dot_product_attention as a drop-in for jax.nn.dot_product_attention (CPU): every accepted
 argument against jax.nn's XLA implementation, forward, residual and gradients under jit, through the
-NumPy stand-in launchers (backend="kernel") and the reference; the refusals by type and message."""
+NumPy stand-in launchers (backend="kernel") and the reference; the fallbacks to jax.nn's / Flax's own
+implementation (a warning per reason, ``strict=True`` raises); the refusals by type and message."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,11 @@ CASES = [
     ("both_lengths_window", 8, 10, dict(local_window_size=(2, 1), query_seq_lengths="q", key_value_seq_lengths="kv")),
 ]
 WINDOWED = {"window_int", "window_tuple_causal_nq_lt_nk", "window_tuple_nq_gt_nk", "both_lengths_window"}
+# what runs on jax.nn's XLA implementation instead of the kernels, per head dim: FFPA has no window; a window with
+# key_value_seq_lengths has no single kernel window
+FALLBACKS = {64: {"both_lengths_window": "local_window_size with key_value_seq_lengths"},
+             320: {**{n: "sliding window at head_dim 320" for n in WINDOWED},
+                   "both_lengths_window": "local_window_size with key_value_seq_lengths"}}
 PATHS = [("kernel", 64), ("kernel", 320), ("reference", 64)]  # FA4, FFPA (stand-in), pure jnp
 
 
@@ -91,12 +98,19 @@ def _compare(ours_fn, q, k, v, kw, lens, tol):
 @pytest.mark.parametrize("name, t, s, kw", CASES, ids=[c[0] for c in CASES])
 def test_matches_jax_nn(stand_in, backend, d, name, t, s, kw):
     kw, lens = _lengths(dict(kw))
-    dtype = jnp.float32 if backend == "reference" else jnp.float16
+    reason = FALLBACKS.get(d, {}).get(name) if backend == "kernel" else None
+    # the NumPy stand-in takes fp16; jax.nn's XLA call cannot run fp16 under jit on the CPU, bf16 it can
+    dtype = jnp.float32 if backend == "reference" else jnp.float16 if reason is None else jnp.bfloat16
     q, k, v = _qkv((3,), t, s, d, dtype=dtype)
     ours = functools.partial(xj.dot_product_attention, scale=0.3, backend=backend)
-    if d == 320 and name in WINDOWED:  # the window still cuts keys after the rewrite: FFPA has none
-        with pytest.raises(NotImplementedError, match=r"sliding window \(\d+, \d+\).*FFPA \(head_dim 320\) has none"):
-            jax.jit(functools.partial(ours, **kw))(q, k, v, **lens)
+    if reason is not None:  # jax.nn's own XLA implementation runs it: exactly its result, after a warning
+        xj.nn._FALLBACK_WARNED.clear()
+        with pytest.warns(UserWarning, match=reason):
+            out = jax.jit(functools.partial(ours, **kw))(q, k, v, **lens)
+        theirs = jax.jit(functools.partial(jax.nn.dot_product_attention, scale=0.3, **kw))(q, k, v, **lens)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(theirs, np.float32))
+        with pytest.raises(NotImplementedError, match=reason):
+            jax.jit(functools.partial(ours, strict=True, **kw))(q, k, v, **lens)
         return
     _compare(ours, q, k, v, dict(kw, scale=0.3), lens, 1e-5 if backend == "reference" else 1e-2)
 
@@ -157,17 +171,15 @@ def test_residual_carries_no_gradient_like_jax_nn(stand_in, backend):
     assert not ours.any() and not theirs.any()
 
 
-def test_kernel_kv_lengths_shorter_than_causal_reach_give_nan_rows(stand_in):
-    q, k, v = _qkv((2,), 8, 6, 64)
-    q_len, kv_len = jnp.array([8, 6], jnp.int32), jnp.array([6, 3], jnp.int32)
-    kw = dict(is_causal=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    out = jax.jit(functools.partial(xj.dot_product_attention, backend="kernel", **kw))(q, k, v)
-    ref = jax.jit(functools.partial(xj.dot_product_attention, backend="reference", **kw))(*f32)
-    theirs = jax.jit(functools.partial(jax.nn.dot_product_attention, **kw))(*f32)
-    assert _rel(out[0], theirs[0]) < 1e-2 and _rel(out[1, :3], theirs[1, :3]) < 1e-2  # row 0: kv_len == S
-    assert jnp.isnan(out[1, 3:6]).all() and (out[1, 6:] == 0).all()  # queries 3..5 would see padded keys
-    assert _rel(ref, theirs) < 1e-5
+@pytest.mark.parametrize("d", [64, 320])
+@pytest.mark.parametrize("t, s, q_len, kv_len", [(8, 6, [8, 6], [6, 3]), (8, 8, [8, 4], [4, 8]), (6, 9, [6, 2], [1, 9])])
+def test_kernel_causal_with_kv_lengths_shorter_than_the_queries_is_exact(stand_in, d, t, s, q_len, kv_len):
+    """Causal + padding where rows reach past kv_len (jax.nn's own test: q [64, 32], kv [32, 64]): those rows
+    see all real keys. Once NaN; now two launches (causal rows, full rows), forward and gradients."""
+    q, k, v = _qkv((2,), t, s, d)
+    lens = dict(query_seq_lengths=jnp.array(q_len, jnp.int32), key_value_seq_lengths=jnp.array(kv_len, jnp.int32))
+    ours = functools.partial(xj.dot_product_attention, backend="kernel")
+    _compare(ours, q, k, v, dict(is_causal=True, scale=0.3), lens, 1e-2)
 
 
 def test_kernel_vmap_and_dtype_cast(stand_in):
@@ -202,14 +214,7 @@ def test_refusals(stand_in):
     q, k, v = _qkv((2,), 8, 6, 64)
     big = _qkv((2,), 8, 6, 384)
     _raises(TypeError, "unexpected keyword", q, k, v, sliding_window=4)
-    _raises(ValueError, "is_causal=True", q, k, v, mask=jnp.ones((2, 1, 8, 6), bool), backend="kernel")
-    _raises(ValueError, "no mask or bias", q, k, v, jnp.zeros((1, 1, 8, 6)), backend="kernel")
-    _raises(ValueError, "negative window", q, k, v, local_window_size=(2, -1), backend="kernel")
     _raises(TypeError, "local_window_size", q, k, v, local_window_size=(1, 2, 3))
-    _raises(NotImplementedError, r"FFPA \(head_dim 384\) has none", *big, local_window_size=(2, 1), backend="kernel")
-    _raises(NotImplementedError, "dropout", q, k, v, dropout_rate=0.1, deterministic=False)
-    _raises(NotImplementedError, "sow_weights", q, k, v, module=object())
-    _raises(NotImplementedError, "no xattn kernel", *_qkv((1,), 8, 8, 40), backend="kernel")
     _raises(ValueError, "implementation", q, k, v, implementation="flash")
     _raises(ValueError, "cannot be combined", q, k, v, implementation="xla", backend="kernel")
     _raises(TypeError, "int32", q, k, v, query_seq_lengths=jnp.array([1, 2], jnp.int16))
@@ -217,9 +222,66 @@ def test_refusals(stand_in):
     _raises(TypeError, "static bool", q, k, v, is_causal=jnp.array(True))
     _raises(ValueError, "multiple of key/value heads", q[..., :3, :], k, v)
     _raises(ValueError, "leading dims", q[None], k[:1][None], v[:1][None])
-    _raises(TypeError, "float16 or bfloat16", *(x.astype(jnp.float32) for x in (q, k, v)), backend="kernel")
-    _raises(TypeError, "bool array", q, k, v, mask=jnp.ones((2, 1, 8, 6)), backend="reference")
     _raises(ValueError, "does not broadcast", q, k, v, bias=jnp.ones((3, 1, 8, 6)), backend="reference")
+    _raises(TypeError, "strict", q, k, v, strict="yes")
+    _raises(NotImplementedError, "return_residual", q, k, v, dropout_rate=0.1, deterministic=False,
+            dropout_rng=jax.random.PRNGKey(0), return_residual=True)
+    _raises(NotImplementedError, "scale", q, k, v, dropout_rate=0.1, deterministic=False,
+            dropout_rng=jax.random.PRNGKey(0), scale=0.5)
+
+
+def _bf16(lead, t, s, d, **kw):
+    return _qkv(lead, t, s, d, dtype=jnp.bfloat16, **kw)
+
+
+CAUSAL_MASK = jnp.tril(jnp.ones((8, 6), bool), 0)[None, None]
+FALLBACK_CASES = [  # (id, args, keywords, match, strict error): the kernels cannot run these exactly
+    ("mask", lambda: _bf16((2,), 8, 6, 64), dict(mask=CAUSAL_MASK), "mask/bias", ValueError),
+    ("float_mask", lambda: _bf16((2,), 8, 6, 64), dict(mask=CAUSAL_MASK.astype(jnp.float32)), "mask/bias", ValueError),
+    ("bias", lambda: _bf16((2,), 8, 6, 64), dict(bias=jnp.linspace(-1, 1, 48).reshape(1, 1, 8, 6)), "mask/bias",
+     ValueError),
+    ("negative_window", lambda: _bf16((2,), 8, 6, 64), dict(local_window_size=(2, -1)), "negative sides",
+     NotImplementedError),
+    ("ffpa_window", lambda: _bf16((2,), 8, 6, 384), dict(local_window_size=(2, 1)), "sliding window at head_dim 384",
+     NotImplementedError),
+    ("head_dim_40", lambda: _bf16((1,), 8, 8, 40), dict(is_causal=True), "head dims 40/40", NotImplementedError),
+    ("float32", lambda: _qkv((2,), 8, 6, 64, dtype=jnp.float32), {}, "float32: the kernels take", NotImplementedError),
+    ("window_with_lengths", lambda: _bf16((2,), 8, 6, 64),
+     dict(local_window_size=2, key_value_seq_lengths=jnp.array([3, 6], jnp.int32)), "with key_value_seq_lengths",
+     NotImplementedError),
+]
+
+
+@pytest.mark.parametrize("name, make, kw, match, error", FALLBACK_CASES, ids=[c[0] for c in FALLBACK_CASES])
+def test_fallbacks_run_jax_nn_exactly_and_strict_refuses(stand_in, monkeypatch, name, make, kw, match, error):
+    """On the kernel route, what no kernel runs exactly is jax.nn's own XLA call: its result bit for bit
+    (output and residual), one warning per reason; strict=True / XATTN_STRICT=1 raise the named error."""
+    q, k, v = make()
+    xj.nn._FALLBACK_WARNED.clear()
+    ours = jax.jit(functools.partial(xj.dot_product_attention, backend="kernel", return_residual=True, **kw))
+    with pytest.warns(UserWarning, match=match):
+        out, res = ours(q, k, v)
+    their_kw = dict(kw, mask=kw["mask"].astype(bool)) if "mask" in kw else kw
+    their_out, their_res = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="xla",
+                                                     return_residual=True, **their_kw))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(their_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(res, np.float32), np.asarray(their_res, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        jax.jit(functools.partial(xj.dot_product_attention, backend="kernel", scale=0.7, **kw))(q, k, v)
+    with pytest.raises(error, match=match):
+        xj.dot_product_attention(q, k, v, backend="kernel", strict=True, **kw)
+    monkeypatch.setenv("XATTN_STRICT", "1")
+    with pytest.raises(error, match=match):
+        xj.dot_product_attention(q, k, v, backend="kernel", **kw)
+    assert xj.dot_product_attention(q, k, v, backend="kernel", strict=False, **kw).shape == out.shape
+
+
+def test_reference_takes_flax_float_masks_as_bool():
+    q, k, v = _qkv((2,), 8, 6, 64, dtype=jnp.float32)
+    as_float = xj.dot_product_attention(q, k, v, mask=CAUSAL_MASK.astype(jnp.float32), backend="reference")
+    as_bool = xj.dot_product_attention(q, k, v, mask=CAUSAL_MASK, backend="reference")
+    np.testing.assert_array_equal(as_float, as_bool)
 
 
 def test_flax_nnx_attention_fn_if_flax_is_installed():

@@ -7,7 +7,7 @@ times on the SAME low-precision-rounded weights: the reference implementation ("
 in low precision. Parity is judged noise-relative (as tests/torch/gemma.py): "ffpa" must be
 about as close to the truth as the reference implementation in the same precision. The route is
 recorded too: the kernel calls of the "ffpa" run (family, mask kind) and the fallbacks xattn logged
-("falling back (REASON) to TARGET: ..."); :func:`assert_case` checks both against the case.
+("ffpa fallback to TARGET: ... (reason='REASON')", NeMo's format); :func:`assert_case` checks both against the case.
 
 Weights are well conditioned: every ``nn.Linear`` gets std ``in_features ** -0.5``, so attention
 scores and logits are O(1) and a wrong mask shows above the bf16 noise.
@@ -80,9 +80,8 @@ def _observe(calls: list, fallbacks: list):
 
     class Grab(logging.Handler):
         def emit(self, record):
-            m = re.search(r"falling back \((\w+)\) to (\w+)", record.getMessage())
-            if m:
-                fallbacks.append(f"{m[1]}->{m[2]}")
+            if getattr(record, "reason", None) is not None:  # NeMo's record: reason and target attributes
+                fallbacks.append(f"{record.reason}->{record.target}")
 
     log, handler = logging.getLogger(fa.__name__), Grab(logging.WARNING)
     fa.attention, level = counting, log.level

@@ -162,8 +162,19 @@ def test_causal_matches_reference_with_gqa():
     torch.testing.assert_close(out, sdpa_reference(q, k, v, causal_mask(2, 5), 0.125), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("nq, nk", [(3, 7), (7, 3)])
+def test_causal_with_unequal_lengths_is_fa4s_bottom_right(nq, nk):
+    """NeMo passes Nq != Nk to FA4: causal aligned to the bottom-right corner (query i sees j <= i + Nk - Nq);
+    queries that see no key (Nq > Nk) give 0."""
+    q, k, v = _rand(2, 4, nq, 128, seed=1, grad=True), _rand(2, 2, nk, 128, seed=2), _rand(2, 2, nk, 128, seed=3)
+    out = fa4.causal_fa4_attention(q, k, v, scale=0.125)
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    mask = (j <= i + nk - nq).expand(2, nq, nk)
+    torch.testing.assert_close(out, sdpa_reference(q, k, v, mask, 0.125), atol=1e-12, rtol=1e-12)
+    assert out.shape == (2, 4, nq, 128)
+
+
 @pytest.mark.parametrize("shapes, match", [
-    (((2, 4, 6, 128), (2, 2, 5, 128), (2, 2, 5, 128)), "same sequence"),        # Nq != Nk
     (((2, 4, 6, 128), (1, 2, 6, 128), (1, 2, 6, 128)), "batch"),
     (((2, 4, 6, 128), (2, 3, 6, 128), (2, 3, 6, 128)), "divide"),               # GQA ratio
     (((2, 4, 6, 128), (2, 2, 6, 64), (2, 2, 6, 64)), "head_dim"),
@@ -234,8 +245,30 @@ def test_load_fa4_varlen_entry_point_and_windows():
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
     unbounded, _ = varlen(q, k, v, None, cu_q, cu_k, 4, 6, softmax_scale=0.3, window_size=(-1, -1))
     torch.testing.assert_close(unbounded, varlen_attention(q, k, v, cu_q, cu_k, scale=0.3)[0])
-    with pytest.raises(NotImplementedError, match="cu_seqlens_k: required"):
-        varlen(q, k, v, cu_seqlens_q=cu_q)
+
+
+class _FlashAttnCute:
+    """Stands in for ``flash_attn.cute.interface``: records the calls handed over to it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def flash_attn_func(self, **kwargs):
+        self.calls.append(("flash_attn_func", kwargs))
+        return "fa4-dense", None
+
+    def flash_attn_varlen_func(self, **kwargs):
+        self.calls.append(("flash_attn_varlen_func", kwargs))
+        return "fa4-varlen", None
+
+
+@pytest.fixture
+def flash_attn_cute(monkeypatch):
+    fake = _FlashAttnCute()
+    real = fa4.import_fa4_modules
+    monkeypatch.setattr(fa4, "import_fa4_modules",
+                        lambda *names: (fake,) if names == ("flash_attn.cute.interface",) else real(*names))
+    return fake
 
 
 @pytest.mark.parametrize("which, kwargs", [
@@ -243,23 +276,29 @@ def test_load_fa4_varlen_entry_point_and_windows():
     ("dense", dict(learnable_sink=torch.zeros(4))), ("dense", dict(score_mod=lambda *a: a[0])),
     ("dense", dict(gather_bwd_token_chunk=4)), ("varlen", dict(seqused_k=torch.ones(2, dtype=torch.int32))),
     ("varlen", dict(page_table=torch.zeros(1, 1, dtype=torch.int32))), ("varlen", dict(mask_mod=print)),
+    ("varlen", dict(cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32))),  # one side packed
 ])
-def test_load_fa4_refuses_what_it_cannot_honour(which, kwargs):
+def test_load_fa4_hands_what_it_lacks_to_flash_attn_cute(flash_attn_cute, which, kwargs):
+    """NeMo's ``_load_fa4`` returns flash_attn.cute's own functions: a call using a feature xattn's launchers
+    lack runs there, with every argument as given (defaults included), and nothing runs on xattn's."""
     fn = fa4._load_fa4()[which == "varlen"]
     q = _rand(1, 4, 2, 128)
-    name = next(iter(kwargs))
-    with pytest.raises(NotImplementedError, match=f"{fn.__name__}: {name} is not supported"):
-        fn(q, q, q, **kwargs)
+    assert fn(q, q, q, softmax_scale=0.25, **kwargs)[0] == f"fa4-{which}"
+    (name, got), = flash_attn_cute.calls
+    assert name == fn.__name__
+    assert set(got) == set(inspect.signature(fn).parameters)
+    assert got["q"] is q and got["softmax_scale"] == 0.25 and all(got[n] is x for n, x in kwargs.items())
     assert not stubs.CALLS
 
 
-def test_return_lse_under_autograd_is_refused():
+def test_return_lse_under_autograd_runs_on_flash_attn_cute(flash_attn_cute):
+    """flash_attn.cute differentiates through its lse; xattn's has no gradient, so that call is handed over."""
     dense, _ = fa4._load_fa4()
     q = _rand(1, 4, 2, 128, grad=True)
-    with pytest.raises(NotImplementedError, match="return_lse"):
-        dense(q, q, q, return_lse=True)
+    assert dense(q, q, q, return_lse=True)[0] == "fa4-dense" and flash_attn_cute.calls[0][1]["return_lse"]
     with torch.no_grad():
-        assert dense(q, q, q, return_lse=True)[1].shape == (1, 2, 4)
+        assert dense(q, q, q, return_lse=True)[1].shape == (1, 2, 4)  # outside autograd: xattn's kernels
+    assert len(flash_attn_cute.calls) == 1
 
 
 def test_import_fa4_modules():

@@ -43,7 +43,7 @@ def test_packed_gemma4_equals_documents_alone(route, dtype, families, caplog):
     errs = gp.compare(gp.packed_runs(ids, LENGTHS, route, "cuda"), gp.packed_runs(ids, LENGTHS, "position_ids", "cuda"),
                       gp.alone_runs(ids, LENGTHS, "cuda"), "cuda", dtype, sum(LENGTHS), **SIZES)
     print(gp.summary(errs, f"packed ({route}, {str(dtype)[6:]})"))
-    assert "falling back" not in caplog.text
+    assert "ffpa fallback" not in caplog.text
     assert families.count("fa4") == 5 and families.count("ffpa") == 1  # one forward of the ffpa model
     gp.assert_no_worse(errs)
 
@@ -59,7 +59,7 @@ def test_left_padded_gemma4_equals_rows_alone(dtype, backend, families, monkeypa
     errs = gp.compare(gp.padded_runs(ids, keep), gp.padded_runs(ids, keep), gp.padded_alone_runs(ids, keep, "cuda"),
                       "cuda", dtype, int(keep.sum()), **SIZES)
     print(gp.summary(errs, f"left-padded ({str(dtype)[6:]}, sliding on {backend})"))
-    assert "falling back" not in caplog.text
+    assert "ffpa fallback" not in caplog.text
     assert families.count("fa4") == (5 if backend == "fa4" else 0) and families.count("ffpa") == 1
     gp.assert_no_worse(errs)
 

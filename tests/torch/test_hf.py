@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf_masks import KernelMask  # noqa: E402
+
 
 from . import gemma, stubs  # noqa: E402
 
@@ -28,7 +28,7 @@ def test_registration_is_idempotent_and_fills_both_registries():
 
     fa._REGISTERED = False
     assert fa.register_ffpa_attention() is True
-    assert fa.register_ffpa_attention() is True  # idempotent
+    assert fa.register_ffpa_attention() is False  # idempotent; False when already registered, as NeMo's
     assert AttentionInterface._global_mapping["ffpa"] is fa.ffpa_attention_forward
     assert AttentionMaskInterface._global_mapping["ffpa"] is fa.ffpa_mask
 
@@ -48,14 +48,11 @@ def test_setup_checks():
 def test_ffpa_mask_cases():
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    m = fa.ffpa_mask(2, 4, 4)
-    assert isinstance(m, KernelMask) and m.causal and not m.varlen
-    m = fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long))
-    assert m.causal and not m.varlen  # all ones: no padding
+    assert fa.ffpa_mask(2, 4, 4) is None  # plain causal: None, as NeMo's factory
+    assert fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long)) is None  # all ones: no padding
     pad = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
-    m = fa.ffpa_mask(2, 4, 4, q_offset=1, kv_offset=1, attention_mask=pad)
-    assert not m.varlen  # offset 1: the padded slot is outside the kv range
-    m = fa.ffpa_mask(2, 5, 5, attention_mask=pad)
+    assert fa.ffpa_mask(2, 4, 4, q_offset=1, kv_offset=1, attention_mask=pad) is None  # the padded slot is outside
+    m = fa.ffpa_mask(2, 5, 5, attention_mask=pad).plan
     assert m.varlen and m.cu_seqlens_q.tolist() == [0, 0, 5, 5, 5, 10, 10]
     assert m.cu_seqlens_k.tolist() == [0, 1, 5, 5, 5, 10, 10]
     truth = sdpa_mask(2, 5, 5, mask_function=causal_mask_function, attention_mask=pad.bool(),
@@ -130,7 +127,7 @@ def test_fallbacks_warn_once_per_reason(kernels, caplog, reason, kw):
     with caplog.at_level(logging.WARNING, logger="xattn"):
         out1, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, **kw)
         out2, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, **kw)
-    assert caplog.text.count(f"falling back ({reason})") == 1
+    assert caplog.text.count(f"(reason={reason!r})") == 1
     assert not any(c[0] == "fwd" for c in stubs.CALLS)
     assert out1.shape == (2, 6, 4, d) and torch.isfinite(out1.float()).all()
 
@@ -145,7 +142,7 @@ def test_sdpa_fallback_with_hf_gqa_module_and_dead_rows(caplog):
     keep = torch.tensor([[False, False, True, True, True, True], [True] * 6])
     with caplog.at_level(logging.WARNING, logger="xattn"):
         out, _ = fa.ffpa_attention_forward(module, q, k, v, keep, scaling=0.1)
-    assert "falling back" in caplog.text
+    assert "ffpa fallback" in caplog.text
     assert torch.isfinite(out.float()).all() and (out[0, :2] == 0).all()
     mask4d = torch.ones(6, 6, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
     torch.testing.assert_close(out[:, 2:].double(), _sdpa_ref(q, k, v, mask4d, 0.1)[:, 2:], atol=2e-2, rtol=2e-2)
@@ -161,7 +158,7 @@ def test_tiny_gemma4_without_kernels_falls_back_and_matches_sdpa(monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="xattn"):
         errs, layers, calls = gemma.parity(monkeypatch, {}, ids, mask, "cpu")
     assert calls == {"truth": 0, "sdpa": 0, "ffpa": 0, "layer check": 0}
-    assert caplog.text.count("falling back (ffpa_unavailable)") == 1
+    assert caplog.text.count("(reason='ffpa_unavailable')") == 1
     gemma.assert_parity(errs, layers)
 
 

@@ -1,6 +1,8 @@
 """The "ffpa" mask factory is exact: for every mask HF builds (causal, sliding, bidirectional, packed,
-padding, KV-cache offsets), what the kernels would attend to under the returned KernelMask equals
-HF's own SDPA mask, element for element; everything else falls back to that very mask."""
+padding, KV-cache offsets), what the kernels would attend to under the returned plan equals HF's own
+SDPA mask, element for element; everything else falls back to that very mask. The factory returns
+``torch.Tensor | BlockMask | None`` (NeMo's contract): None for plain causal layers, else a
+:class:`PlannedMask` (HF's mask, carrying the plan) or HF's own mask."""
 
 import logging
 import random
@@ -11,7 +13,21 @@ import torch
 mu = pytest.importorskip("transformers.masking_utils")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf_masks import KernelMask, describe  # noqa: E402
+from xattn.torch.hf_masks import KernelMask, PlannedMask, describe, plan_without_mask  # noqa: E402
+
+
+def plan_of(got, args) -> KernelMask | None:
+    """The plan the attention function runs for a factory result: a PlannedMask's, for None the causal
+    (bottom-right) plan it builds from the module; None for a plain tensor mask (SDPA runs it)."""
+    if isinstance(got, PlannedMask):
+        assert got.shape == (args["batch_size"], 1, args["q_length"], args["kv_length"]) and got.dtype == torch.bool
+        return got.plan
+    if got is None:
+        q = torch.empty(args["batch_size"], 1, args["q_length"], 1)
+        k = torch.empty(args["batch_size"], 1, args["kv_length"], 1)
+        return plan_without_mask(q, k, (None, 0))
+    assert type(got) is torch.Tensor
+    return None
 
 
 def kernel_visibility(plan: KernelMask) -> torch.Tensor:
@@ -88,13 +104,16 @@ def test_factory_equals_hf_sdpa_mask(kind, side, cache, caplog):
         fa._FALLBACK_WARNED.clear()
         with caplog.at_level(logging.WARNING):
             got = fa.ffpa_mask(**args)
-        if isinstance(got, KernelMask):
+        plan = plan_of(got, args)
+        if plan is not None:
             routed += 1
-            assert torch.equal(kernel_visibility(got), truth), (args, got)
-            assert torch.equal(got.sdpa_mask()[:, 0], truth)
-            _assert_query_slices_exact(got, truth)
+            assert torch.equal(kernel_visibility(plan), truth), (args, got)
+            assert torch.equal(plan.sdpa_mask()[:, 0], truth)
+            if got is not None:  # the tensor itself reads as HF's mask (built on first read)
+                assert torch.equal(got[:, 0, :, :], truth) and bool(got.all()) == bool(truth.all())
+                _assert_query_slices_exact(got, truth)
         else:
-            assert torch.equal(got[:, 0], truth) and "falling back" in caplog.text
+            assert torch.equal(got[:, 0], truth) and "ffpa fallback" in caplog.text
     if side != "right" or kind.startswith("bidirectional"):
         assert routed >= 6, f"only {routed}/12 masks reached the kernels"
 
@@ -108,25 +127,60 @@ def test_packed_documents_from_position_ids_are_exact():
             fn = mu.remap_positions_for_packed_sequence(fn, pos)
         fn = mu.and_masks(fn, mu.packed_sequence_mask_function(psm))
         args = dict(batch_size=2, q_length=9, kv_length=9, mask_function=fn)
-        plan = fa.ffpa_mask(**args)
-        assert isinstance(plan, KernelMask) and plan.varlen
+        got = fa.ffpa_mask(**args)
+        assert isinstance(got, PlannedMask) and got.plan.varlen
+        plan = got.plan
         assert plan.cu_seqlens_q.tolist() == [0, 3, 5, 9, 15, 18]
         assert torch.equal(kernel_visibility(plan), hf_truth(**args))
-        _assert_query_slices_exact(plan, hf_truth(**args))
+        _assert_query_slices_exact(got, hf_truth(**args))
 
 
-def _assert_query_slices_exact(plan: KernelMask, truth: torch.Tensor) -> None:
-    """``plan[:, :, -n:, :]`` (how Gemma 4's KV-shared layers slice masks for ``logits_to_keep``) runs
-    exactly the last ``n`` rows of HF's mask, for every n."""
+def _assert_query_slices_exact(mask: PlannedMask, truth: torch.Tensor) -> None:
+    """``mask[:, :, -n:, :]`` (how Gemma 4's KV-shared layers slice masks for ``logits_to_keep``) stays a
+    PlannedMask that runs exactly the last ``n`` rows of HF's mask, for every n."""
+    plan = mask.plan
     for n in range(1, plan.q_length + 1):
-        part = plan[:, :, -n:, :]
-        assert part.q_length == n and part.shape == (plan.batch_size, 1, n, plan.kv_length)
-        assert torch.equal(kernel_visibility(part), truth[:, -n:]), (n, part)
-        assert torch.equal(part.sdpa_mask()[:, 0], truth[:, -n:])
+        part = mask[:, :, -n:, :]
+        assert isinstance(part, PlannedMask) and part.shape == (plan.batch_size, 1, n, plan.kv_length)
+        assert part.plan.q_length == n
+        assert torch.equal(kernel_visibility(part.plan), truth[:, -n:]), (n, part)
+        assert torch.equal(part.plan.sdpa_mask()[:, 0], truth[:, -n:])
+        assert torch.equal(part[:, 0], truth[:, -n:])
+
+
+def test_planned_mask_reads_as_the_sdpa_mask_everywhere():
+    """Code written for NeMo's / HF's tensor masks (``.all()``, other slices, ``.to``, ``~``, SDPA) reads
+    a PlannedMask as the exact SDPA mask; the plan survives ``.bool()`` and the query slice only."""
+    keep = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    args = dict(batch_size=2, q_length=6, kv_length=6, mask_function=mu.sliding_window_causal_mask_function(3),
+                attention_mask=keep.bool())
+    got, truth = fa.ffpa_mask(**args), mu.sdpa_mask(**args, allow_is_causal_skip=False)
+    assert isinstance(got, PlannedMask) and isinstance(got, torch.Tensor)
+    assert got.shape == truth.shape and got.dtype == torch.bool and got.dim() == 4 and got.device == truth.device
+    assert got.bool() is got
+    assert torch.equal(got[0], truth[0]) and type(got[0]) is torch.Tensor  # not the query slice: a tensor
+    assert torch.equal(got[:, :, :, -2:], truth[:, :, :, -2:])
+    assert not bool(got.all()) and bool(got.any())
+    assert torch.equal(got.to(torch.float32), truth.float()) and torch.equal(~got, ~truth)
+    q = torch.randn(2, 3, 6, 8)
+    assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=got),
+                       torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=truth))
+    assert "PlannedMask(" in repr(got)
+
+
+def test_factory_returns_none_for_plain_causal_only():
+    """None exactly where NeMo and ``sdpa_mask`` return it: causal, no padding, queries the last keys."""
+    assert fa.ffpa_mask(2, 4, 4) is None
+    assert fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long)) is None
+    assert fa.ffpa_mask(1, 1, 9, q_offset=8) is None  # decode step, dynamic cache
+    assert fa.ffpa_mask(2, 4, 4, mask_function=mu.causal_mask_function) is None
+    assert isinstance(fa.ffpa_mask(1, 1, 16, q_offset=8), PlannedMask)  # static cache: empty slots cut
+    assert isinstance(fa.ffpa_mask(2, 4, 4, attention_mask=torch.tensor([[0, 1, 1, 1]] * 2)), PlannedMask)
+    assert isinstance(fa.ffpa_mask(2, 4, 4, mask_function=mu.bidirectional_mask_function), PlannedMask)
 
 
 def test_kernel_mask_refuses_other_indexing():
-    plan = fa.ffpa_mask(2, 5, 5)
+    plan = fa.ffpa_mask(2, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]] * 2)).plan
     for index in (0, (slice(None), 0), (slice(None), slice(None), slice(0, 2), slice(None)),
                   (slice(None), slice(None), slice(None, None, 2), slice(None))):
         with pytest.raises(TypeError, match="KernelMask"):
@@ -147,7 +201,7 @@ def test_patterns_without_an_exact_kernel_form_get_hf_mask(name, caplog):
     fa._FALLBACK_WARNED.clear()
     with caplog.at_level(logging.WARNING):
         got = fa.ffpa_mask(**args, use_vmap=True)
-    assert "falling back (mask_function)" in caplog.text
+    assert "(reason='mask_function')" in caplog.text
     assert torch.equal(got, mu.sdpa_mask(**args, use_vmap=True, allow_is_causal_skip=False))
 
 
@@ -169,7 +223,52 @@ def test_flex_setting_builds_the_sliding_block_mask(monkeypatch):
     fn = mu.sliding_window_causal_mask_function(2)
     assert fa.ffpa_mask(2, 4, 4, mask_function=fn, attention_mask=keep) == "block-mask"
     assert built["mask_function"] is fn and built["attention_mask"] is keep  # padding travels with it
-    assert isinstance(fa.ffpa_mask(2, 4, 4, attention_mask=keep), KernelMask)  # full layers stay on kernels
+    assert isinstance(fa.ffpa_mask(2, 4, 4, attention_mask=keep), PlannedMask)  # full layers stay on kernels
     monkeypatch.setattr(fa, "SLIDING_BACKEND", "flax")
-    with pytest.raises(ValueError, match="XATTN_SLIDING_BACKEND"):
+    with pytest.raises(ValueError, match="XATTN_SLIDING_BACKEND must be 'flex', 'sdpa' or 'fa4'"):
         fa.ffpa_mask(2, 4, 4, mask_function=fn)
+
+
+class _Config:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa", "fa4", "SDPA", None])
+def test_config_sliding_backend_as_nemo(monkeypatch, backend):
+    """``config.ffpa_sliding_attn_backend`` (NeMo's knob) picks the non-causal layers' backend, over
+    ``XATTN_SLIDING_BACKEND``; causal layers stay on the kernels whatever it says."""
+    monkeypatch.setattr(fa, "SLIDING_BACKEND", "fa4")
+    monkeypatch.setattr(mu, "flex_attention_mask", lambda **kw: "block-mask")
+    config = _Config(model_type="gemma4_text", ffpa_sliding_attn_backend=backend)
+    keep = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]).bool()
+    args = dict(batch_size=2, q_length=5, kv_length=5, mask_function=mu.sliding_window_causal_mask_function(2),
+                attention_mask=keep)
+    got = fa.ffpa_mask(**args, config=config)
+    want = {"flex": "block-mask", "sdpa": "tensor", "SDPA": "tensor", "fa4": "planned", None: "planned"}[backend]
+    if want == "block-mask":
+        assert got == "block-mask"
+    elif want == "tensor":
+        assert type(got) is torch.Tensor and torch.equal(got, mu.sdpa_mask(**args, allow_is_causal_skip=False))
+    else:
+        assert isinstance(got, PlannedMask)
+    assert isinstance(fa.ffpa_mask(2, 5, 5, attention_mask=keep, config=config), PlannedMask)
+
+
+def test_config_sliding_backend_refuses_other_values():
+    config = _Config(model_type="gemma4_text", ffpa_sliding_attn_backend="flash")
+    with pytest.raises(ValueError, match="ffpa_sliding_attn_backend must be 'flex', 'sdpa' or 'fa4', got 'flash'"):
+        fa.ffpa_mask(2, 4, 4, mask_function=mu.sliding_window_causal_mask_function(2), config=config)
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_vision", "gemma4_audio", "siglip_vision_model"])
+def test_vision_and_audio_towers_get_sdpa_masks(model_type):
+    """Sub-encoders share the registry: they get exactly what ``attn_implementation="sdpa"`` gives them
+    (NeMo returns None, which would drop their padding)."""
+    config = _Config(model_type=model_type)
+    keep = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool()
+    for fn, pad in ((mu.bidirectional_mask_function, keep), (mu.bidirectional_mask_function, None),
+                    (mu.sliding_window_bidirectional_mask_function(1), keep)):
+        args = dict(batch_size=2, q_length=4, kv_length=4, mask_function=fn, attention_mask=pad)
+        got, want = fa.ffpa_mask(**args, config=config), mu.sdpa_mask(**args)
+        assert (got is None and want is None) or (type(got) is torch.Tensor and torch.equal(got, want))

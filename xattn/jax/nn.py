@@ -6,8 +6,11 @@ sees key j iff ``j <= i`` / ``i - left <= j <= i + right``), ``query_seq_lengths
 ``key_value_seq_lengths`` as valid prefixes, the residual as the natural-log logsumexp ``[..., T, N]``.
 The kernels are bottom-right aligned (FlashAttention): this module rewrites every top-left mask
 into the kernels' form exactly (slicing keys no query can see, shifting windows by ``Nk - Nq``,
-varlen segments for key padding) and raises where no exact rewrite exists; it never changes a
-result silently. ``backend="reference"`` computes everything (bias, mask arrays, any lengths) in jnp.
+varlen segments for key padding). What the kernels cannot run exactly (bias/mask arrays, head dims
+without a kernel, fp32, windows the rewrite cannot express) runs on ``jax.nn.dot_product_attention``'s
+own XLA implementation, and Flax's dropout / ``sow_weights`` on Flax's own ``dot_product_attention``: the
+peer's exact result, with a one-time warning naming the reason. ``strict=True`` (or ``XATTN_STRICT=1``)
+raises instead. ``backend="reference"`` computes everything (bias, mask arrays, any lengths) in jnp.
 
 Glossary: B batch (any leading dims, flattened), T / S query / key lengths (Nq / Nk), N / K query /
 key-value heads (GQA when N > K), H / Hv head dims.
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -98,15 +103,6 @@ def _per_head(x, name: str, lead: tuple, n: int, t: int, s: int):
     except (TypeError, ValueError):
         raise ValueError(f"{name}: shape {x.shape} does not broadcast to [..., N, T, S] = {target}") from None
     return x.reshape(-1, n, t, s)
-
-
-def _check_flax(dropout_rate, deterministic, module) -> None:
-    if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError("dropout: the xattn kernels have no attention dropout; use dropout_rate=0 "
-                                  "or deterministic=True")
-    if module is not None:
-        raise NotImplementedError("module (Flax sow_weights): xattn never materialises the attention weights; "
-                                  "use sow_weights=False")
 
 
 # --- kernels with the logsumexp as a second output -----------------------------------------
@@ -206,35 +202,71 @@ def _varlen(q, k, v, kv_len, family: str, scale: float):
     return out.reshape(b, t, n, -1), lse.reshape(n, b, t).transpose(1, 0, 2)
 
 
-def _row_status(b: int, t: int, s: int, q_len, kv_len, bounds):
-    """``(empty, broken)`` bool ``[B, T]``: rows that see no key by their lengths (-> 0), and rows that
-    would see padded keys the dense kernel cannot cut at ``kv_len`` (with causal/window: -> NaN)."""
+def _empty_rows(t: int, q_len, kv_len, left):
+    """Bool ``[B, T]``: rows that see no key by their lengths (-> out 0, lse -inf)."""
     i = jnp.arange(t)[None]
-    empty = jnp.zeros((b, t), bool) if q_len is None else i >= q_len[:, None]
-    broken = jnp.zeros((b, t), bool)
+    empty = jnp.zeros((1, t), bool) if q_len is None else i >= q_len[:, None]
     if kv_len is not None:
         kv = kv_len[:, None]
-        left, right = bounds
         empty = empty | (kv <= 0) | (False if left is None else i - left >= kv)
-        if right is not None:
-            broken = ~empty & (i + right >= kv) & (kv < s)
-    return empty, broken
+    return empty
+
+
+def _causal_padded(q, k, v, kv_len, family: str, scale: float, what: str):
+    """Top-left causal with ``key_value_seq_lengths``: row i sees keys ``j <= i`` and ``j < kv_len``.
+    Rows ``i < kv_len`` see only real keys (the dense causal launch is exact for them); rows ``i >= kv_len``
+    see all ``kv_len`` keys (the unmasked varlen launch). Two launches, the rows picked per batch row."""
+    causal_out, causal_lse = _dense(q, k, v, family, scale, (None, 0), what)
+    full_out, full_lse = _varlen(q, k, v, kv_len, family, scale)
+    inside = jnp.arange(q.shape[1])[None] < kv_len[:, None]  # [B, T]
+    out = jnp.where(inside[..., None, None], causal_out, full_out)
+    return out, jnp.where(inside[:, None], causal_lse, full_lse)
 
 
 def _kernel(q, k, v, scale, causal, window, q_len, kv_len, what):
+    """``(out, lse)`` on the kernels; the caller checked :func:`_kernel_blocker` (no window with kv_len)."""
     family = _family(q.shape[-1], v.shape[-1])
     bounds = _bounds(causal, window)
-    if kv_len is not None and bounds == (None, None) and q.size and k.shape[1]:  # (empty: the dense path)
+    lengths = kv_len is not None and q.size and k.shape[1]  # (empty inputs: the dense path)
+    if lengths and bounds == (None, None):
         out, lse = _varlen(q, k, v, kv_len, family, scale)
+    elif lengths and bounds == (None, 0):
+        out, lse = _causal_padded(q, k, v, kv_len, family, scale, what)
     else:
         out, lse = _dense(q, k, v, family, scale, bounds, what)
     if q_len is None and kv_len is None:
         return out, lse
-    empty, broken = _row_status(q.shape[0], q.shape[1], k.shape[1], q_len, kv_len, bounds)
-    nan = jnp.asarray(jnp.nan, out.dtype)
-    out = jnp.where(empty[..., None, None], 0, jnp.where(broken[..., None, None], nan, out))
-    lse = jnp.where(empty[:, None], -jnp.inf, jnp.where(broken[:, None], jnp.nan, lse))
+    empty = _empty_rows(q.shape[1], q_len, kv_len, bounds[0])
+    out = jnp.where(empty[..., None, None], 0, out)
+    lse = jnp.where(empty[:, None], -jnp.inf, lse)
     return out, lse
+
+
+def _kernel_blocker(q, k, v, bias, mask, causal: bool, window, kv_len) -> tuple[str, str, type] | None:
+    """``(reason, message, error)`` when the kernels cannot run this call exactly (decided from static
+    shapes and dtypes at trace time), else None. ``error`` is what ``strict=True`` raises."""
+    if bias is not None or mask is not None:
+        return ("mask/bias", "mask/bias arrays have no kernel form (use is_causal=True, local_window_size, "
+                "query_seq_lengths/key_value_seq_lengths, or xattn.jax.packed_attention for documents)", ValueError)
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "dtype", f"{jnp.dtype(q.dtype)}: the kernels take float16/bfloat16", NotImplementedError
+    family = family_for(q.shape[-1], v.shape[-1])
+    if family is None:
+        return ("head_dim", f"head dims {q.shape[-1]}/{v.shape[-1]} have no xattn kernel (FFPA: 320-512 step 16; "
+                f"FA4: {', '.join(f'{a}/{b}' for a, b in FA4_HEAD_DIMS)})", NotImplementedError)
+    if window is not None and min(window) < 0:
+        return ("window", f"local_window_size={window}: negative sides exclude the diagonal, which the kernels' "
+                "windows always contain", NotImplementedError)
+    if window is not None and kv_len is not None:
+        return ("window+lengths", "local_window_size with key_value_seq_lengths: the window's top-left offset "
+                "differs per row, which one kernel window cannot express", NotImplementedError)
+    bounds = _bounds(causal, window)
+    if family == "ffpa" and bounds[0] is not None:
+        _, _, wl, _ = _kernel_window(q.shape[1], k.shape[1], *bounds)
+        if wl is not None:
+            return ("ffpa_window", f"a sliding window at head_dim {q.shape[-1]} (FFPA has none; FA4 has windows up "
+                    "to head_dim 256)", NotImplementedError)
+    return None
 
 
 # --- the pure-jnp path: jax.nn's masks, bias and mask arrays -------------------------------
@@ -276,10 +308,55 @@ def _reference(q, k, v, bias, mask, *, scale, causal, window, q_len, kv_len, pre
     return out.astype(q.dtype), jax.lax.stop_gradient(lse)
 
 
+# --- fallbacks: the peer's own implementation ----------------------------------------------
+
+_FALLBACK_WARNED: set[str] = set()
+
+
+def _strict(strict) -> bool:
+    """``strict`` as given, or ``XATTN_STRICT`` (unset/"0": fall back; "1": raise) when None."""
+    if strict is None:
+        return os.environ.get("XATTN_STRICT", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    if not isinstance(strict, (bool, np.bool_)):
+        raise TypeError(f"strict: expected a bool or None, got {type(strict).__name__}")
+    return bool(strict)
+
+
+def _fall_back(reason: str, message: str, error: type, strict: bool, target: str) -> None:
+    """Raise ``error`` (strict), else warn once per reason that ``target`` runs the call."""
+    if strict:
+        raise error(f"{message}; strict=True (or XATTN_STRICT=1) refuses the fallback to {target}")
+    if reason not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(reason)
+        warnings.warn(f"xattn.jax.dot_product_attention: {message}; running {target} instead (its exact result; "
+                      f"warned once per reason, strict=True raises)", stacklevel=4)
+
+
+def _flax_attention(query, key, value, bias, mask, *, is_causal: bool, broadcast_dropout, dropout_rng, dropout_rate,
+                    deterministic, dtype, precision, module, jax_nn_args: dict):
+    """Flax's own ``dot_product_attention`` (linen's for a linen ``module``, else nnx's): dropout and
+    ``sow_weights`` as Flax runs them. ``is_causal`` joins the mask (linen's function has no is_causal)."""
+    unsupported = [name for name, value in jax_nn_args.items() if value is not None]
+    if unsupported:
+        raise NotImplementedError(f"{', '.join(unsupported)} with dropout or module (sow_weights): Flax's attention, "
+                                  "which runs those, has no such argument")
+    from flax import linen, nnx
+
+    if is_causal:
+        t, s = jnp.shape(query)[-3], jnp.shape(key)[-3]
+        causal = jnp.arange(s)[None] <= jnp.arange(t)[:, None]
+        mask = causal if mask is None else jnp.logical_and(jnp.asarray(mask).astype(bool), causal)
+    fn = linen.dot_product_attention if isinstance(module, linen.Module) else nnx.dot_product_attention
+    return fn(query, key, value, bias, mask, broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+              dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype, precision=precision,
+              module=module)
+
+
 # --- entry points --------------------------------------------------------------------------
 
-def _xattn(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, window, precision, backend):
-    """``(out [..., T, N, Hv], lse [B, N, T] fp32)`` on the xattn kernels or the reference."""
+def _xattn(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, window, precision, backend, strict):
+    """``(out [..., T, N, Hv], lse [B, N, T] fp32)`` on the xattn kernels or the reference; None when the
+    kernels cannot run the call exactly and jax.nn's XLA implementation must (after the warning)."""
     q, k, v, lead = _flatten(query, key, value)
     (b, t, n, d), s = q.shape, k.shape[1]
     q_len = _lengths(q_len, "query_seq_lengths", lead, b)
@@ -288,18 +365,15 @@ def _xattn(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
         raise TypeError(f"is_causal: expected a static bool, got {type(is_causal).__name__}")
     scale = static_scale(scale, d)
     if backend == "reference":
-        if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-            raise TypeError(f"mask: expected a bool array (True = attend; additive masks go to bias), got "
-                            f"{jnp.asarray(mask).dtype}")
         bias, mask = (_per_head(x, name, lead, n, t, s) if x is not None else None
                       for x, name in ((bias, "bias"), (mask, "mask")))
         out, lse = _reference(q, k, v, bias, mask, scale=scale, causal=bool(is_causal), window=window,
                               q_len=q_len, kv_len=kv_len, precision=precision)
     else:
-        if mask is not None or bias is not None:
-            raise ValueError("mask/bias: the xattn kernels take no mask or bias array; use is_causal=True, "
-                             "local_window_size, query_seq_lengths/key_value_seq_lengths, "
-                             "xattn.jax.packed_attention for packed documents, or backend='reference'")
+        blocker = _kernel_blocker(q, k, v, bias, mask, bool(is_causal), window, kv_len)
+        if blocker is not None:
+            _fall_back(*blocker, strict=strict, target="jax.nn.dot_product_attention (XLA)")
+            return None
         what = f"is_causal={bool(is_causal)}, local_window_size={window} with T={t}, S={s}"
         out, lse = _kernel(q, k, v, scale, bool(is_causal), window, q_len, kv_len, what)
     return out.reshape(*lead, *out.shape[1:]), lse
@@ -325,7 +399,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                           local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
                           return_residual: bool = False, broadcast_dropout: bool = True, dropout_rng=None,
                           dropout_rate: float = 0.0, deterministic: bool = True, dtype=None, precision=None,
-                          module=None, backend: str = "auto"):
+                          module=None, backend: str = "auto", strict: bool | None = None):
     """``jax.nn.dot_product_attention`` on the xattn kernels (FFPA: head_dim 320-512; FA4: 64-256).
 
     Shapes: query ``[..., T, N, H]``, key ``[..., S, K, H]``, value ``[..., S, K, Hv]`` (``Hv != H``
@@ -333,56 +407,77 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     jax.nn's ``BTNH``, or several); ``N % K == 0`` (GQA/MQA). Returns out ``[..., T, N, Hv]``, and with
     ``return_residual=True`` ``(out, residual)``, residual ``[..., T, N]`` = logsumexp over the visible
     keys of ``scale * q.k`` (natural log, jax.nn's layout and dtype: key's), without gradient (jax.nn
-    stops it too). Kernels need fp16/bf16 inputs; ``backend="reference"`` takes any float dtype.
+    stops it too).
 
     Args, as jax.nn (all but query/key/value/bias/mask keyword-only):
-      bias, mask: arrays broadcastable to ``[..., N, T, S]`` (mask bool, True = attend). Only
-        ``backend="reference"`` takes them; on the kernels they raise ``ValueError``.
+      bias, mask: arrays broadcastable to ``[..., N, T, S]`` (mask: True / nonzero = attend, as Flax
+        casts it to bool). No kernel takes them: the call runs on jax.nn's XLA implementation (see
+        Fallbacks); ``backend="reference"`` computes them in jnp.
       scale: static float, default ``1/sqrt(H)``; finite and > 0 (``ValueError`` otherwise, on both backends).
       is_causal: top-left: query i sees keys ``j <= i`` (also when T != S).
       local_window_size: ``w`` or ``(left, right)``: query i sees ``i - left <= j <= i + right``
-        (top-left), combined with ``is_causal``. Negative sides raise ``ValueError`` on the kernels
-        (the reference computes them).
+        (top-left), combined with ``is_causal``.
       query_seq_lengths, key_value_seq_lengths: int32 ``[B]`` (or the leading dims' shape): row b's
         valid queries/keys are its first ``len[b]``. Padded query rows give 0 (as jax.nn's).
       implementation: None runs xattn (``backend`` decides where); ``"xla"``/``"cudnn"`` are honoured:
         jax.nn's own implementation runs (with ``backend`` left at "auto", else ``ValueError``).
       return_residual: see above.
-    Flax ``attention_fn`` keywords: ``dtype`` casts query/key/value (Flax's computation dtype, so the
-    output has it too); ``precision`` reaches the reference's einsums (the kernels multiply fp16/bf16
-    with fp32 accumulation under any setting); dropout (``dropout_rate > 0`` and not
-    ``deterministic``) and ``module`` (sow_weights) raise ``NotImplementedError``;
-    ``broadcast_dropout``/``dropout_rng`` only matter with dropout.
+    Flax ``attention_fn`` keywords (``nnx.MultiHeadAttention(..., attention_fn=...)`` and linen's
+    ``MultiHeadDotProductAttention`` pass them): ``dtype`` casts query/key/value (Flax's computation
+    dtype, so the output has it too); ``precision`` reaches the reference's einsums (the kernels multiply
+    fp16/bf16 with fp32 accumulation under any setting); dropout (``dropout_rate > 0`` and not
+    ``deterministic``, with ``dropout_rng``, ``broadcast_dropout``) and ``module`` (``sow_weights``) run
+    on Flax's own ``dot_product_attention`` (see Fallbacks).
     backend: ``"kernel"``, ``"reference"`` (pure jnp, exact jax.nn masks incl. bias/mask arrays) or
       ``"auto"`` (kernel on GPU, reference elsewhere).
+    strict: True raises where a fallback would run (``ValueError`` for mask/bias arrays,
+      ``NotImplementedError`` otherwise); None (default) reads ``XATTN_STRICT`` ("1": strict).
 
-    Differences from jax.nn, on both backends: a query row that sees no key (all keys masked, a
-    zero ``key_value_seq_lengths``, a window past the keys) gives out 0 and residual -inf, where
-    jax.nn averages every value uniformly and returns a huge negative residual. Kernel-path limits,
-    raised at trace time: FFPA has no sliding window, so a window that still cuts keys after the
-    top-left rewrite raises ``NotImplementedError`` (causal with T > S runs as two FFPA launches);
-    ``key_value_seq_lengths`` with causal/window runs the dense kernel and is exact when every row
-    has ``kv_len >= min(q_len + right, S)`` (``right`` = 0 when causal: e.g. padded self-attention
-    with equal lengths); otherwise the query rows that would see padded keys return NaN, never a
-    silent wrong value (``backend="reference"`` computes them). Head dims no kernel has raise ``NotImplementedError``;
-    unknown keywords ``TypeError`` (no ``**kwargs``).
+    Fallbacks (``backend`` "kernel"/"auto" on GPU, decided at trace time from static shapes and dtypes;
+    a one-time ``UserWarning`` names each reason): mask/bias arrays, head dims no kernel has, dtypes
+    other than fp16/bf16, negative window sides, ``local_window_size`` together with
+    ``key_value_seq_lengths``, and a sliding window that still cuts keys at FFPA's head dims run on
+    ``jax.nn.dot_product_attention(..., implementation="xla")``; Flax dropout and ``module`` run on
+    Flax's ``dot_product_attention``. The kernels run every other case exactly, including causal with
+    ``key_value_seq_lengths`` (two launches: rows ``i < kv_len`` causal, the rest see all real keys) and
+    causal with T > S at FFPA's head dims (two launches).
+
+    Difference from jax.nn, on the kernels and the reference: a query row that sees no key (a zero
+    ``key_value_seq_lengths``, a window past the keys) gives out 0 and residual -inf, where jax.nn
+    averages every value uniformly and returns a huge negative residual; padded query rows give out 0
+    on both (residual -inf here). Unknown keywords raise ``TypeError`` (no ``**kwargs``).
     """
-    _check_flax(dropout_rate, deterministic, module)
+    strict = _strict(strict)
     if dtype is not None:
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+        mask = jnp.asarray(mask).astype(jnp.bool_)  # Flax's masks are float (make_causal_mask): nonzero = attend
+    if (dropout_rate > 0.0 and not deterministic) or module is not None:
+        what = "attention dropout" if module is None else "module (Flax sow_weights: the attention weights)"
+        _fall_back("flax", f"{what} has no kernel", NotImplementedError, strict, "Flax's dot_product_attention")
+        if return_residual:
+            raise NotImplementedError("return_residual with dropout or module: Flax's attention returns no residual")
+        return _flax_attention(query, key, value, bias, mask, is_causal=bool(is_causal),
+                               broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                               deterministic=deterministic, dtype=dtype, precision=precision, module=module,
+                               jax_nn_args=dict(scale=scale, query_seq_lengths=query_seq_lengths,
+                                                key_value_seq_lengths=key_value_seq_lengths,
+                                                local_window_size=local_window_size, implementation=implementation))
+    jax_nn_kw = dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                     key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+                     return_residual=return_residual)
     if implementation is not None:
         if implementation not in ("xla", "cudnn"):
             raise ValueError(f"implementation: expected None, 'xla' or 'cudnn', got {implementation!r}")
         if backend != "auto":
             raise ValueError(f"implementation={implementation!r} runs jax.nn's own implementation; it cannot be "
                              f"combined with backend={backend!r} (pass implementation=None)")
-        res = _jax_nn(implementation, query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                      local_window_size=local_window_size, return_residual=return_residual)
-        out, residual = res if return_residual else (res, None)
-    else:
-        out, lse = _xattn(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                          _window(local_window_size), precision, resolve_backend(backend))
-        residual = lse.transpose(0, 2, 1).astype(jnp.asarray(key).dtype).reshape(out.shape[:-1]) \
-            if return_residual else None
-    return (out, residual) if return_residual else out
+        return _jax_nn(implementation, query, key, value, bias, mask, **jax_nn_kw)
+    res = _xattn(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                 _window(local_window_size), precision, resolve_backend(backend), strict)
+    if res is None:
+        return _jax_nn("xla", query, key, value, bias, mask, **jax_nn_kw)
+    out, lse = res
+    if not return_residual:
+        return out
+    return out, lse.transpose(0, 2, 1).astype(jnp.asarray(key).dtype).reshape(out.shape[:-1])

@@ -12,7 +12,10 @@ Layouts:
   ALWAYS read as heads: a ``[B, N, H, D]`` tensor whose shape happens to pass the checks would be
   computed as if it were ``[B, H, N, D]``, so transpose FlashAttention-layout tensors first.
 * The entry points returned by :func:`_load_fa4` keep FlashAttention's layouts: dense ``[B, N, H, D]``,
-  varlen ``[T, H, D]`` with int32 ``cu_seqlens``; lse ``[B, H, N]`` / ``[H, T]`` fp32.
+  varlen ``[T, H, D]`` with int32 ``cu_seqlens``; lse ``[B, H, N]`` / ``[H, T]`` fp32. A call using a
+  feature xattn's launchers lack (``softcap``, ``mask_mod``/``score_mod``, ``deterministic=True``, ...)
+  is handed to ``flash_attn.cute``'s own function with the same arguments, as NeMo's ``_load_fa4`` returns
+  those functions themselves.
 
 Document ids are integer tensors ``[batch, sequence]``: documents numbered from 1, ids ``<= 0`` for padding
 (``_PAD_DOC_ID``, 0, as NeMo writes them; -1 too). Every run of equal ids in a row is one varlen segment, cut where the local query shard ends, so
@@ -28,6 +31,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +47,7 @@ from .attention import attention, attention_with_lse
 
 __all__ = ["import_fa4_modules", "causal_fa4_attention", "document_causal_fa4_attention"]
 
+_log = logging.getLogger(__name__)
 _PAD_DOC_ID = 0  # padding ids are <= 0 (0 as NeMo writes them; any id <= 0 counts as padding)
 # The varlen layouts of the current step. ``_LAYOUT_GENERATION`` holds ``[ids, host ids]``: a private copy of
 # the step's kv_doc_ids on their device and its one host copy. A call belongs to the step when its
@@ -111,16 +116,35 @@ def _defaults(fn) -> dict[str, Any]:
     return {name: p.default for name, p in inspect.signature(fn).parameters.items()}
 
 
-def _refuse_unsupported(fn, given: dict[str, Any]) -> None:
-    """NotImplementedError naming the first argument of ``fn`` set away from its default that xattn cannot honour."""
+def _unserved(fn, given: dict[str, Any]) -> str | None:
+    """The first argument of ``fn`` set away from its default that xattn's launchers do not serve, else None."""
     for name, default in _defaults(fn).items():
         if name in _SERVED or name in _SCHEDULING_HINTS:
             continue
         value = given[name]
         if value is default or (not isinstance(value, torch.Tensor) and value == default):
             continue
-        raise NotImplementedError(f"{fn.__name__}: {name} is not supported by xattn's FA4 kernels "
-                                  f"(leave it at its default {default!r})")
+        return name
+    if given["return_lse"] and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (given["q"], given["k"], given["v"])):
+        return "return_lse under autograd"  # flash_attn.cute differentiates through its lse; xattn's has no gradient
+    return None
+
+
+_HANDED_OVER: set[str] = set()
+
+
+def _flash_attn_cute(fn, given: dict[str, Any]):
+    """``flash_attn.cute``'s own ``fn`` on the caller's arguments, or None when xattn's launchers serve them all.
+    The first hand-over per argument is logged (INFO)."""
+    why = _unserved(fn, given)
+    if why is None:
+        return None
+    if why not in _HANDED_OVER:
+        _HANDED_OVER.add(why)
+        _log.info("xattn fa4: %s runs on flash_attn.cute's own %s (xattn's launchers lack it)", why, fn.__name__)
+    (interface,) = import_fa4_modules("flash_attn.cute.interface")
+    return getattr(interface, fn.__name__)(**given)
 
 
 def _fa4_window(causal: bool, window_size) -> tuple:
@@ -140,9 +164,6 @@ def _fa4_window(causal: bool, window_size) -> tuple:
 def _run_fa4(q, k, v, softmax_scale, causal, window_size, return_lse, **varlen):
     """``(out, lse)`` as flash_attn.cute returns them: lse is None unless asked for or q/k/v require grad."""
     needs_grad = any(t.requires_grad for t in (q, k, v))
-    if return_lse and needs_grad and torch.is_grad_enabled():
-        raise NotImplementedError("return_lse=True while q/k/v require grad: xattn's lse carries no gradient; "
-                                  "call under torch.no_grad() or use out only")
     out, lse = attention_with_lse(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                   window_size=_fa4_window(causal, window_size), family="fa4", **varlen)
     return out, (lse if return_lse or needs_grad else None)
@@ -157,11 +178,14 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     -> ``(out [B, Nq, Hq, Dv], lse [B, Hq, Nq] fp32 or None)``; out is differentiable.
 
     Served: ``softmax_scale`` (None = 1/sqrt(D)), ``causal`` and ``window_size`` (bottom-right aligned),
-    ``return_lse`` (not under autograd: the lse has no gradient here). Scheduling hints (``num_splits``,
-    ``pack_gqa``) are ignored. Any other argument away from its default raises NotImplementedError
-    naming it (``qv``, ``softcap``, ``learnable_sink``, ``score_mod``/``mask_mod``, block sparsity,
-    ``deterministic=True``, the sparse-MLA gather options)."""
-    _refuse_unsupported(flash_attn_func, locals())
+    ``return_lse`` (outside autograd). Scheduling hints (``num_splits``, ``pack_gqa``) are ignored. A call
+    with any other argument away from its default (``qv``, ``softcap``, ``learnable_sink``,
+    ``score_mod``/``mask_mod``, block sparsity, ``deterministic=True``, the sparse-MLA gather options) or
+    ``return_lse=True`` under autograd runs on ``flash_attn.cute.flash_attn_func`` itself, same arguments
+    (ImportError with the pip command where it is not installed)."""
+    handed = _flash_attn_cute(flash_attn_func, locals())
+    if handed is not None:
+        return handed
     return _run_fa4(q, k, v, softmax_scale, causal, window_size, return_lse)
 
 
@@ -184,18 +208,21 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
 
     As :func:`flash_attn_func`, plus: ``max_seqlen_q/k`` default to the longest segment (read on the
     host); without cu_seqlens, q/k/v are dense ``[B, N, H, D]``. ``seqused_q/k``, ``page_table`` and
-    the other unserved arguments raise NotImplementedError when set.
+    the other unserved arguments hand the call to ``flash_attn.cute.flash_attn_varlen_func`` itself.
 
     Checked mode: the signature is flash_attn.cute's, so there is no ``check_inputs`` keyword here;
     ``XATTN_CHECK_INPUTS=1`` checks cu_seqlens on their device before the launch (int32, start 0,
     non-decreasing, end <= T, segments <= max_seqlen; one host sync; a ``ValueError`` naming the first
     bad index). Unchecked (the default), bad cu_seqlens are undefined behaviour, as in flash_attn.cute."""
-    _refuse_unsupported(flash_attn_varlen_func, locals())
+    given = dict(locals())
+    handed = _flash_attn_cute(flash_attn_varlen_func, given)
+    if handed is not None:
+        return handed
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _run_fa4(q, k, v, softmax_scale, causal, window_size, return_lse)
-    if cu_seqlens_q is None or cu_seqlens_k is None:
-        given, absent = ("cu_seqlens_k", "cu_seqlens_q") if cu_seqlens_q is None else ("cu_seqlens_q", "cu_seqlens_k")
-        raise NotImplementedError(f"{absent}: required with {given} (xattn's varlen kernels pack q and k alike)")
+    if cu_seqlens_q is None or cu_seqlens_k is None:  # one side packed: flash_attn.cute's own function
+        (interface,) = import_fa4_modules("flash_attn.cute.interface")
+        return interface.flash_attn_varlen_func(**given)
     return _run_fa4(q, k, v, softmax_scale, causal, window_size, return_lse, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=_max_len(cu_seqlens_q, max_seqlen_q),
                     max_seqlen_k=_max_len(cu_seqlens_k, max_seqlen_k))
@@ -225,16 +252,14 @@ def _sdpa_dims(query, key, value) -> tuple[int, int, int, int, int]:
 
 
 def causal_fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence over itself on FA4, in SDPA layout.
+    """Causal attention on FA4, in SDPA layout.
 
-    ``query [B, Hq, N, D]``, ``key [B, Hkv, N, D]``, ``value [B, Hkv, N, Dv]`` (``Hkv`` divides ``Hq``)
-    -> ``[B, Hq, N, Dv]`` (a transposed view of the kernel's ``[B, N, Hq, Dv]`` output), differentiable.
-    ``scale`` multiplies ``q @ k^T`` (``None``: ``1/sqrt(D)``, as FA4). Queries and keys must be the same
-    positions (ValueError otherwise); dim 1 is heads (see the module docstring)."""
-    b, hq, nq, hkv, nk = _sdpa_dims(query, key, value)
-    if nq != nk:
-        raise ValueError(f"key: {nk} positions (dim 2) != the query's {nq}; causal_fa4_attention needs queries and "
-                         "keys of the same sequence (use document_causal_fa4_attention for a query shard)")
+    ``query [B, Hq, Nq, D]``, ``key [B, Hkv, Nk, D]``, ``value [B, Hkv, Nk, Dv]`` (``Hkv`` divides ``Hq``)
+    -> ``[B, Hq, Nq, Dv]`` (a transposed view of the kernel's ``[B, N, Hq, Dv]`` output), differentiable.
+    ``scale`` multiplies ``q @ k^T`` (``None``: ``1/sqrt(D)``, as FA4). With ``Nq != Nk`` the causal mask is
+    FA4's, bottom-right aligned: query i sees keys ``j <= i + Nk - Nq`` (queries that see no key give 0);
+    dim 1 is heads (see the module docstring)."""
+    _sdpa_dims(query, key, value)
     try:
         out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
                         causal=True, family="fa4")

@@ -4,13 +4,17 @@ function, its mask factory, registration, and the low-level SDPA-layout fwd/bwd 
 "ffpa" is registered globally, so any HF model may select it; it must give what ``"sdpa"`` gives.
 Run exactly or fall back exactly:
 
-* :func:`ffpa_mask` (the mask factory) reads the layer's HF ``mask_function``. Causal, sliding-window
-  (causal or bidirectional), packed-document and padding masks become a
-  :class:`~xattn.torch.hf_masks.KernelMask` (kernel window + varlen segments, built once per forward).
-  Anything else (chunked layers, image-token blocks, custom overlays, right padding that differs
-  per row) gets HF's own SDPA mask, with a warning naming the reason. With
-  ``XATTN_SLIDING_BACKEND=flex`` sliding layers get HF's flex ``BlockMask`` instead.
-* :func:`ffpa_attention_forward` runs a ``KernelMask`` on the kernels (FFPA for head_dim 320-512,
+* :func:`ffpa_mask` (the mask factory) reads the layer's HF ``mask_function`` and returns what NeMo's
+  returns, ``torch.Tensor | BlockMask | None``: None for plain causal layers; for causal, sliding-window
+  (causal or bidirectional), packed-document and padding masks a
+  :class:`~xattn.torch.hf_masks.PlannedMask`, HF's exact 4D SDPA mask as a tensor that is built only if
+  read, carrying the launch plan (:class:`~xattn.torch.hf_masks.KernelMask`: kernel window + varlen
+  segments, built once per forward). Anything else (chunked layers, image-token blocks, custom
+  overlays, right padding that differs per row) gets HF's own SDPA mask, with a warning naming the
+  reason. ``config.ffpa_sliding_attn_backend`` (NeMo's knob; else ``XATTN_SLIDING_BACKEND``) picks
+  "fa4" (kernels, default), "flex" (HF's ``BlockMask``) or "sdpa" for non-causal layers. Vision and
+  audio sub-encoders get HF's SDPA mask, as under ``attn_implementation="sdpa"``.
+* :func:`ffpa_attention_forward` runs a plan on the kernels (FFPA for head_dim 320-512,
   FA4 for <= 256 and windows) when dtype, scaling, head dims and options allow; otherwise it falls
   back exactly: SDPA with the layer's exact mask, the model's own eager function for ``softcap`` or
   ``s_aux`` sinks, FlexAttention for a ``BlockMask``; each reason is logged once.
@@ -37,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import os
 
 import torch
@@ -45,14 +50,18 @@ from xattn.core.spec import family_for
 
 from . import cp_group, hf_fallback
 from .attention import attention, attention_with_lse, default_family
-from .hf_masks import KernelMask, Pattern, describe, hf_window, plan_hf_mask, plan_without_mask, window_mask
+from .hf_masks import KernelMask, Pattern, PlannedMask, describe, hf_window, plan_hf_mask, plan_without_mask, window_mask
 from .ops import bwd as _bwd_op
 from .ring import ring_attention
 
-__all__ = ["ffpa_attention_forward", "ffpa_mask", "register_ffpa_attention", "setup_ffpa_backend"]
+__all__ = ["ffpa_attention_forward", "ffpa_mask", "register_ffpa_attention", "setup_ffpa_backend", "_ffpa_dense_fwd",
+           "_ffpa_dense_bwd"]
 
 logger = logging.getLogger(__name__)
-SLIDING_BACKEND = os.environ.get("XATTN_SLIDING_BACKEND", "fa4")  # sliding layers on "fa4" kernels or "flex"
+# The backend of layers whose mask is not plain causal (sliding windows, documents, bidirectional blocks):
+# a model config's ``ffpa_sliding_attn_backend`` (NeMo's knob) wins, else this default.
+SLIDING_BACKEND = os.environ.get("XATTN_SLIDING_BACKEND", "fa4")
+_SLIDING_BACKENDS = ("fa4", "flex", "sdpa")
 _FFPA_HEAD_DIM = 512
 _VARLEN_WIN_NONE = -2 ** 31  # the seed's "no window" sentinel (xattn's core takes None)
 _FALLBACK_WARNED: set[str] = set()
@@ -64,10 +73,12 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _warn_once(reason: str, message: str, target: str = "sdpa") -> None:
-    """Log ``falling back (reason) to target: message`` once per reason and process."""
+    """Log ``ffpa fallback to <target>: <message> (reason=<reason>)`` once per reason and process, as NeMo's
+    module logs it (this module's logger; the record's ``reason``/``target`` attributes hold both)."""
     if reason not in _FALLBACK_WARNED:
         _FALLBACK_WARNED.add(reason)
-        logger.warning("xattn ffpa: falling back (%s) to %s: %s", reason, target, message)
+        logger.warning("ffpa fallback to %s: %s (reason=%r)", target, message, reason,
+                       extra={"reason": reason, "target": target})
 
 
 @functools.cache
@@ -113,11 +124,18 @@ def _get_eager():
 
 
 def _ffpa_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
-               enable_gqa: bool = False):
-    """``scaled_dot_product_attention``'s signature on the kernels: ``[B, H, N, D]`` in and out, differentiable.
+               enable_gqa: bool = False, backend=None):
+    """``scaled_dot_product_attention``'s signature on the kernels (ffpa-attn's ``ffpa_attn_func``):
+    ``[B, H, N, D]`` in and out, differentiable.
 
-    ``is_causal`` is bottom-right aligned (as ffpa-attn's ``ffpa_attn_func``); ``attn_mask`` and
-    dropout raise NotImplementedError; Hq != Hkv needs ``enable_gqa=True`` as in SDPA."""
+    ``is_causal`` is bottom-right aligned (as ``ffpa_attn_func``); ``attn_mask`` and dropout raise
+    NotImplementedError; Hq != Hkv needs ``enable_gqa=True`` as in SDPA. ``backend`` is the second value
+    of :func:`_get_ffpa_high_level` (``xattn.core``) or None; anything else raises ValueError."""
+    import xattn.core
+
+    if backend is not None and backend is not xattn.core:
+        raise ValueError(f"backend: expected the backend returned by _get_ffpa_high_level() (xattn.core) or None, "
+                         f"got {backend!r}")
     if attn_mask is not None:
         raise NotImplementedError("attn_mask: the kernels take no mask tensor; use is_causal")
     if dropout_p:
@@ -151,54 +169,94 @@ def _is_block_mask(mask) -> bool:
 
 # --- the mask factory and registration ------------------------------------------------------
 
-def _sliding_backend() -> str:
-    if SLIDING_BACKEND not in ("fa4", "flex"):
-        raise ValueError(f"XATTN_SLIDING_BACKEND={SLIDING_BACKEND!r}: expected 'fa4' or 'flex'")
-    return SLIDING_BACKEND
+def _sliding_backend(config) -> str:
+    """The backend of non-causal layers: ``config.ffpa_sliding_attn_backend`` when the model config has it
+    (NeMo: "flex" or "sdpa"; xattn adds "fa4", the kernels), else ``XATTN_SLIDING_BACKEND`` (default "fa4").
+    ValueError for anything else, as NeMo raises it."""
+    value = getattr(config, "ffpa_sliding_attn_backend", None)
+    name = "ffpa_sliding_attn_backend" if value is not None else "XATTN_SLIDING_BACKEND"
+    backend = str(SLIDING_BACKEND if value is None else value).lower()
+    if backend not in _SLIDING_BACKENDS:
+        raise ValueError(f"{name} must be 'flex', 'sdpa' or 'fa4', got {backend!r}.")
+    return backend
+
+
+def _is_sub_encoder(config) -> bool:
+    """Vision / audio towers (``config.model_type`` containing "vision" or "audio", e.g. Gemma 4's) share the
+    registry with the text model."""
+    model_type = getattr(config, "model_type", "") or ""
+    return "vision" in model_type or "audio" in model_type
 
 
 def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
               mask_function=None, attention_mask=None, dtype: torch.dtype = torch.float32, **kwargs):
     """Mask factory of ``"ffpa"`` (``ALL_MASK_ATTENTION_FUNCTIONS["ffpa"]``), same arguments as HF's ``sdpa_mask``.
 
-    Returns a :class:`~xattn.torch.hf_masks.KernelMask` for patterns the kernels run exactly, a flex
-    ``BlockMask`` for sliding layers under ``XATTN_SLIDING_BACKEND=flex``, else HF's own SDPA mask
-    (4D bool ``[B, 1, q_length, kv_length]``). ``attention_mask`` is HF's 2D padding mask.
+    Returns ``torch.Tensor | BlockMask | None``, as NeMo's factory:
+
+    * ``None`` for plain causal attention without padding, queries being the last keys (as NeMo and
+      HF's ``sdpa_mask``); the attention function then runs causal (bottom-right) from the module.
+    * a :class:`~xattn.torch.hf_masks.PlannedMask`: HF's exact SDPA mask (bool ``[B, 1, q_length,
+      kv_length]``, True = attend, built only if read) carrying the launch plan, for every pattern the
+      kernels run exactly (padding, sliding windows, packed documents, bidirectional, caches).
+    * HF's own SDPA mask (4D bool) where the kernels cannot reproduce the mask (chunked layers,
+      image-token blocks, custom overlays, uneven right padding), with a warning naming the reason.
+    * for non-causal masks (``mask_function`` other than HF's ``causal_mask_function``), the
+      backend ``config.ffpa_sliding_attn_backend`` names (else ``XATTN_SLIDING_BACKEND``): "fa4" (the
+      kernels, default), "flex" (HF's ``BlockMask``; the layer runs FlexAttention) or "sdpa" (HF's SDPA
+      mask); anything else raises ValueError.
+    * vision / audio sub-encoders (``config.model_type`` with "vision" or "audio"): HF's own SDPA mask
+      (possibly None), i.e. exactly what ``attn_implementation="sdpa"`` gives them. NeMo returns None
+      there, which drops the sub-encoder's padding mask; xattn keeps sdpa's results.
+
+    ``attention_mask`` is HF's 2D padding mask ``[B, >= kv_length]`` (its last ``kv_length`` columns are read).
     """
     from transformers import masking_utils as mu
 
-    if isinstance(attention_mask, KernelMask):
+    if isinstance(attention_mask, (KernelMask, PlannedMask)):
         return attention_mask  # prepared earlier (generate() with a static cache), as HF returns 4D masks
     q_length, kv_length, q_offset, kv_offset = (int(x) for x in (q_length, kv_length, q_offset, kv_offset))
-    mask_function = mask_function or mu.causal_mask_function
-    device = kwargs.pop("device", attention_mask.device if attention_mask is not None else "cpu")
+    config = kwargs.get("config")
+    device = kwargs.pop("device", None) or (attention_mask.device if attention_mask is not None else "cpu")
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, device=device)
+                kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
+                attention_mask=attention_mask, device=device)
     extra = {n: x for n, x in kwargs.items() if n != "allow_is_causal_skip"}
 
-    def hf_sdpa_mask():
-        mask = mu.sdpa_mask(**args, allow_is_causal_skip=False, **extra)
-        mask._xattn_factory_fallback = True  # the attention function knows it is HF's exact mask
+    def hf_sdpa_mask(**skip):
+        mask = mu.sdpa_mask(**args, **{"allow_is_causal_skip": False, **skip}, **extra)
+        if mask is not None:
+            mask._xattn_factory_fallback = True  # the attention function knows it is HF's exact mask
         return mask
 
-    pattern = describe(mask_function) if attention_mask is None or attention_mask.dim() == 2 else None
+    if _is_sub_encoder(config):
+        return hf_sdpa_mask(allow_is_causal_skip=kwargs.get("allow_is_causal_skip", True))
+    if mask_function is not None and mask_function is not mu.causal_mask_function:
+        backend = _sliding_backend(config)
+        if backend == "flex":
+            return mu.flex_attention_mask(**args, **extra)
+        if backend == "sdpa":
+            return hf_sdpa_mask(allow_is_causal_skip=kwargs.get("allow_is_causal_skip", True))
+    pattern = describe(args["mask_function"]) if attention_mask is None or attention_mask.dim() == 2 else None
     if cp_group.active_group() is not None:
-        return _sharded_plan(pattern, mask_function, args)
+        return PlannedMask(_sharded_plan(pattern, args["mask_function"], args), device)
     if pattern is None:
-        _warn_once("mask_function", f"{getattr(mask_function, '__qualname__', mask_function)} is not a pattern "
-                   "the kernels reproduce exactly (chunked, blockwise or custom masks)")
+        fn = args["mask_function"]
+        _warn_once("mask_function", f"{getattr(fn, '__qualname__', fn)} is not a pattern the kernels reproduce "
+                   "exactly (chunked, blockwise or custom masks)")
         return hf_sdpa_mask()
-    if pattern.left is not None and _sliding_backend() == "flex":
-        return mu.flex_attention_mask(**args, **extra)
     keep = None
     if attention_mask is not None:
         keep = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+        keep = None if bool(keep.all()) else keep
+    if keep is None and pattern.doc_ids is None and (pattern.left, pattern.right) == (None, 0) and q_offset - kv_offset == kv_length - q_length:
+        return None  # plain causal, no padding: what NeMo and sdpa_mask return
     plan = plan_hf_mask(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, keep, device,
                         hf_sdpa_mask)
     if isinstance(plan, str):
         _warn_once("mask", plan)
         return hf_sdpa_mask()
-    return plan
+    return PlannedMask(plan, device)
 
 
 def _sharded_plan(pattern, mask_function, args) -> KernelMask:
@@ -224,10 +282,11 @@ def _sharded_plan(pattern, mask_function, args) -> KernelMask:
 def register_ffpa_attention() -> bool:
     """Register ``"ffpa"`` in HF's ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent).
 
-    Returns True once registered (now or before), False when transformers is not installed."""
+    Returns True when this call registered it, False when it was registered already (as NeMo's) or
+    transformers is not installed."""
     global _REGISTERED
     if _REGISTERED:
-        return True
+        return False
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -236,27 +295,43 @@ def register_ffpa_attention() -> bool:
     AttentionInterface.register("ffpa", ffpa_attention_forward)
     AttentionMaskInterface.register("ffpa", ffpa_mask)
     _REGISTERED = True
+    logger.info("registered ALL_ATTENTION_FUNCTIONS['ffpa'] + ALL_MASK_ATTENTION_FUNCTIONS['ffpa'] (xattn)")
     return True
 
 
 def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
     """Check the parallel setup, register ``"ffpa"``, and turn context parallelism on (``cp_size > 1``) or off.
 
-    ``cp_size > 1``: every ``"ffpa"`` layer then runs on sequence shards over the group handed over with
-    :func:`xattn.torch.set_context_parallel_group` (else the world group, when its size is ``cp_size``);
-    see :mod:`xattn.torch.cp_group`. Packed documents run on the kernels without CP.
-    Raises ValueError/TypeError for bad arguments or a missing group, NotImplementedError for packed
-    documents under CP, ImportError without transformers."""
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+    A superset of NeMo's function, which raises for ``cp_size > 1`` and for packed sequences because its
+    ``"ffpa"`` can do neither; xattn runs both:
+
+    * ``has_packed_sequence`` true (``cp_size`` 1): accepted; packed documents run on the kernels
+      (varlen segments from HF's packed mask, ``cu_seq_lens_q/k`` or restarting ``position_ids``).
+    * ``cp_size > 1``: every ``"ffpa"`` layer runs on sequence shards (ring attention) over the group handed
+      over with :func:`xattn.torch.set_context_parallel_group` (else the world group, when its size is
+      ``cp_size``); see :mod:`xattn.torch.cp_group`.
+
+    Arguments as NeMo takes them: ``cp_size`` an int (None means 1), ``has_packed_sequence`` a bool, an int
+    or None (read by truth value). Raises TypeError/ValueError for other types, ``cp_size < 1`` or a missing
+    group, NotImplementedError for packed documents under CP, ImportError without transformers."""
+    if cp_size is None:
+        cp_size = 1
+    if isinstance(cp_size, bool) or not isinstance(cp_size, numbers.Integral):
+        raise TypeError(f"cp_size: expected an int, got {type(cp_size).__name__}")
+    if cp_size < 1:
         raise ValueError(f"cp_size: expected a positive int, got {cp_size!r}")
-    if not isinstance(has_packed_sequence, bool):
-        raise TypeError(f"has_packed_sequence: expected a bool, got {type(has_packed_sequence).__name__}")
+    if has_packed_sequence is not None and not isinstance(has_packed_sequence, (bool, numbers.Integral)):
+        raise TypeError(f"has_packed_sequence: expected a bool (or an int, None), got "
+                        f"{type(has_packed_sequence).__name__}")
     if cp_size > 1 and has_packed_sequence:
         raise NotImplementedError("cp_size > 1 with packed sequences: context parallelism runs one sequence per "
                                   "row (documents across shards are not supported)")
-    cp_group.activate(cp_size)
-    if not register_ffpa_attention():
-        raise ImportError("attn_implementation='ffpa' needs transformers: pip install 'transformers>=5'")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ImportError("attn_implementation='ffpa' needs transformers: pip install 'transformers>=5'") from None
+    cp_group.activate(int(cp_size))
+    register_ffpa_attention()
 
 
 # --- the attention function -----------------------------------------------------------------
@@ -418,10 +493,14 @@ def _run_kernels(plan: KernelMask, query, key, value, scaling):
 def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            softcap=None, **kwargs):
     """HF attention function: query ``[B, Hq, Nq, D]``, key/value ``[B, Hkv, Nk, D/Dv]`` -> ``(out [B, Nq, Hq, Dv]
-    contiguous, None)``; the kernels where exact, else the exact fallback (see the module docstring).
+    contiguous, weights)``; the kernels where exact, else the exact fallback (see the module docstring).
+    ``weights`` is None except on the eager fallback (softcap, ``s_aux``), which returns the model's eager
+    attention probabilities ``[B, Hq, Nq, Nk]``, as ``attn_implementation="eager"`` does.
     Non-tensor, non-4D or non-floating inputs and a NaN/inf ``scaling`` raise TypeError/ValueError naming
     the argument; ``scaling <= 0`` runs on SDPA (the kernels take a positive scale)."""
     _check_inputs(query, key, value, scaling)
+    if isinstance(attention_mask, PlannedMask):
+        attention_mask = attention_mask.plan
     group = cp_group.active_group()
     if group is not None:
         return _run_sharded(group, module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs), None

@@ -2,7 +2,9 @@
 function (softcap, attention sinks), and HF's FlexAttention function (flex ``BlockMask`` layers).
 
 All take and return what HF's attention interface does: query ``[B, Hq, Nq, D]``, key/value
-``[B, Hkv, Nk, D/Dv]``, and return ``(out [B, Nq, Hq, Dv] contiguous, None)``. Masks are the exact
+``[B, Hkv, Nk, D/Dv]``, and return ``(out [B, Nq, Hq, Dv] contiguous, weights)``: ``weights`` are the eager
+function's attention probabilities ``[B, Hq, Nq, Nk]`` (as the model's eager path returns them), None for
+SDPA and FlexAttention (as theirs). Masks are the exact
 4D masks ``[B, 1, Nq, Nk]`` (bool, True = attend; or a caller's additive float mask).
 """
 
@@ -57,7 +59,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, dropout: 
     else:
         p = torch.softmax(s, -1)
     p = torch.nn.functional.dropout(p.nan_to_num(0.0), p=dropout, training=getattr(module, "training", False))
-    return torch.matmul(p.to(v.dtype), v).transpose(1, 2).contiguous(), None
+    p = p.to(v.dtype)
+    return torch.matmul(p, v).transpose(1, 2).contiguous(), p
 
 
 def _model_eager(module):
@@ -91,9 +94,9 @@ def run_eager(module, query, key, value, mask, dropout, scaling, softcap, kwargs
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
-    out, _ = _model_eager(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                  softcap=softcap, **kwargs)
-    return out.contiguous(), None
+    out, weights = _model_eager(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                        softcap=softcap, **kwargs)
+    return out.contiguous(), weights
 
 
 def run_flex(module, query, key, value, block_mask, scaling, softcap, kwargs):

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Pattern", "KernelMask", "describe", "hf_window", "plan_hf_mask", "plan_without_mask", "window_mask"]
+__all__ = ["Pattern", "KernelMask", "PlannedMask", "describe", "hf_window", "plan_hf_mask", "plan_without_mask",
+           "window_mask"]
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,46 @@ class KernelMask:
             plan.cu_seqlens_q = torch.cat([cu.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
             plan.max_seqlen_q = min(self.max_seqlen_q, n)
         return plan
+
+
+class PlannedMask(torch.Tensor):
+    """What the ``"ffpa"`` mask factory returns for a plan: HF's exact SDPA mask, a real bool ``torch.Tensor``
+    ``[B, 1, Nq, Nk]`` (True = attend), built only when something reads its values; ``.plan`` is the
+    :class:`KernelMask` the attention function launches.
+
+    Shape, dtype and device are known without building anything. Any torch operation (``.all()``,
+    ``.to(...)``, ``~mask``, SDPA) builds the mask once and runs on it, returning plain tensors, so
+    code written for NeMo's or HF's tensor masks reads it correctly. ``mask[:, :, start:, :]`` (HF's
+    query slice) returns the plan of the last queries, still planned. ``.bool()`` returns the mask
+    itself. Under context parallelism the mask cannot be built (it is a shard; NotImplementedError)."""
+
+    plan: KernelMask
+
+    @staticmethod
+    def __new__(cls, plan: KernelMask, device):
+        return torch.Tensor._make_wrapper_subclass(cls, plan.shape, dtype=torch.bool, device=torch.device(device))
+
+    def __init__(self, plan: KernelMask, device):
+        self.plan = plan
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def dense(x):
+            return x.plan.sdpa_mask() if isinstance(x, PlannedMask) else x
+        return func(*tree_map(dense, args), **tree_map(dense, kwargs or {}))
+
+    def __getitem__(self, index):
+        try:
+            return PlannedMask(self.plan[index], self.device)
+        except TypeError:
+            return self.plan.sdpa_mask()[index]
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"PlannedMask({self.plan.description or 'plan'}, shape={tuple(self.shape)}, window={self.plan.window})"
 
 
 def _shifted(left, right, shift: int):
