@@ -454,7 +454,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         mask = jnp.asarray(mask).astype(jnp.bool_)  # Flax's masks are float (make_causal_mask): nonzero = attend
     if (dropout_rate > 0.0 and not deterministic) or module is not None:
         what = "attention dropout" if module is None else "module (Flax sow_weights: the attention weights)"
-        _fall_back("flax", f"{what} has no kernel", NotImplementedError, strict, "Flax's dot_product_attention")
+        _fall_back("dropout" if module is None else "module", f"{what} has no kernel", NotImplementedError, strict,
+                   "Flax's dot_product_attention")
         if return_residual:
             raise NotImplementedError("return_residual with dropout or module: Flax's attention returns no residual")
         return _flax_attention(query, key, value, bias, mask, is_causal=bool(is_causal),
