@@ -194,18 +194,20 @@ DPA = [
     case("dpa-no-batch-dim", _change(_as("dpa", _dpa(b=1)), lambda q, k, v, kw: ((q[0], k[0], v[0]), kw))),
     case("dpa-rank-2", _change(_as("dpa", _dpa()), lambda q, k, v, kw: ((q[0, 0], k[0, 0], v[0, 0]), kw)),
          ValueError, "query/key/value", "ranks >= 3"),
-    case("dpa-head-dim-72", _as("dpa", _dpa(h=72)), NotImplementedError, "72", "backend='reference'"),
+    # the cases jax.nn's own XLA call would run (a fallback, with a warning); strict=True refuses them
+    case("dpa-head-dim-72-strict", _as("dpa", _dpa(h=72, strict=True)), NotImplementedError, "72/72", "strict"),
     case("dpa-scale-nan", _as("dpa", _dpa(scale=math.nan)), ValueError, "scale"),
     case("dpa-scale-zero", _as("dpa", _dpa(scale=0.0)), ValueError, "scale"),
-    case("dpa-fp32", _change(_as("dpa", _dpa()), lambda q, k, v, kw: (
-        tuple(t.astype(jnp.float32) for t in (q, k, v)), kw)), TypeError, "q:", "float32"),
-    case("dpa-mask-on-kernels", _change(_as("dpa", _dpa()), lambda q, k, v, kw: (
-        (q, k, v), {**kw, "mask": jnp.ones((8, 12), bool)})), ValueError, "mask/bias"),
+    case("dpa-fp32-strict", _change(_as("dpa", _dpa(strict=True)), lambda q, k, v, kw: (
+        tuple(t.astype(jnp.float32) for t in (q, k, v)), kw)), NotImplementedError, "float32", "strict"),
+    case("dpa-mask-on-kernels-strict", _change(_as("dpa", _dpa(strict=True)), lambda q, k, v, kw: (
+        (q, k, v), {**kw, "mask": jnp.ones((8, 12), bool)})), ValueError, "mask/bias", "strict"),
     case("dpa-is-causal-string", _as("dpa", _dpa(is_causal="yes")), TypeError, "is_causal"),
     case("dpa-window-string", _as("dpa", _dpa(local_window_size="8")), TypeError, "local_window_size"),
     case("dpa-lengths-float", _as("dpa", _dpa(key_value_seq_lengths=jnp.array([3.0, 4.0]))), TypeError,
          "key_value_seq_lengths"),
-    case("dpa-dropout", _as("dpa", _dpa(dropout_rate=0.1, deterministic=False)), NotImplementedError, "dropout"),
+    case("dpa-dropout-strict", _as("dpa", _dpa(dropout_rate=0.1, deterministic=False, strict=True)),
+         NotImplementedError, "dropout", "strict"),
     case("dpa-gqa-ratio-not-dividing", _as("dpa", _dpa(kh=3)), ValueError, "key", "multiple"),
 ]
 

@@ -51,6 +51,8 @@ class Case:
     ref: str = "sdpa"
     kernel_family: str = "fa4"
     xfail: str | None = None
+    fixed_impls: dict = field(default_factory=dict)  # sub-configs that keep one implementation (Gemma 4's audio)
+    grad: bool = False  # run() differentiates (a training step); else it runs under no_grad
 
 
 @dataclass
@@ -100,21 +102,34 @@ def _outputs(case: Case, impl: str, dtype, weights, device):
 
     cls, config = case.make()
     with no_init_weights():  # the weights come next
-        model = cls._from_config(config, attn_implementation=impl)
+        model = cls._from_config(config, attn_implementation=_impls(case, impl))
     model.load_state_dict(weights)
     model.to(device, dtype).eval()
     assert model.config._attn_implementation == impl
-    with torch.no_grad():
+    with contextlib.nullcontext() if case.grad else torch.no_grad():
         return case.run(model, case.inputs(device))
+
+
+def _impls(case: Case, impl: str):
+    """``attn_implementation`` for the case: one name, or per sub-config where some keep a fixed one."""
+    if not case.fixed_impls:
+        return impl
+    _, config = case.make()
+    subs = {name: impl for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not None}
+    return {"": impl, **subs, **case.fixed_impls}
 
 
 def _condition(model):
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=m.in_features ** -0.5)
-    for n, p in model.named_parameters():
-        if n.endswith("mm_input_projection_weight"):  # Gemma 3's projector, x @ W, zero-initialised
-            torch.nn.init.normal_(p, std=p.shape[0] ** -0.5)
+    gemma4 = str(getattr(model.config, "model_type", "")).startswith("gemma4")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("mm_input_projection_weight"):  # Gemma 3's projector, x @ W, zero-initialised
+                torch.nn.init.normal_(p, std=p.shape[0] ** -0.5)
+            if gemma4 and n.endswith("q_norm.weight"):  # Gemma 4 scales by 1.0 after q/k RMS norm: scores
+                p.mul_(0.1)                               # ~ sqrt(head_dim) would be one-hot; x0.1 keeps them O(1)
 
 
 def compare(case: Case, device, dtype=torch.bfloat16) -> Row:
@@ -122,7 +137,7 @@ def compare(case: Case, device, dtype=torch.bfloat16) -> Row:
     fa.register_ffpa_attention()
     torch.manual_seed(0)
     cls, config = case.make()
-    model = cls._from_config(config, attn_implementation=case.ref)
+    model = cls._from_config(config, attn_implementation=_impls(case, case.ref))
     _condition(model)
     weights = {n: t.to(dtype) if t.is_floating_point() else t for n, t in model.state_dict().items()}
     truth = _outputs(case, case.ref, torch.float32, weights, device)
@@ -175,7 +190,8 @@ def assert_case(case: Case, row: Row, exact=True, slack=1.5, floor=2e-3):
     for _, kind in row.calls:
         kinds[kind] = kinds.get(kind, 0) + 1
     assert kinds == case.kernels, f"kernel launches by kind: {kinds}, expected {case.kernels}"
-    assert {f for f, _ in row.calls} <= {case.kernel_family}, row.calls
+    families = set(case.kernel_family.split("+"))
+    assert {f for f, _ in row.calls} <= families, row.calls
     reasons = [f for f in row.fallbacks if f != _ECHO or len(row.fallbacks) == 1]
     assert sorted(reasons) == sorted(case.fallbacks), f"fallbacks logged: {row.fallbacks}"
     assert row.err_ffpa <= slack * row.err_sdpa + floor, (row.err_ffpa, row.err_sdpa)
@@ -336,6 +352,87 @@ def _gemma3_inputs(device):
                 token_type_ids=(ids == IMAGE).long().to(device))
 
 
+G4_IMAGE, G4_AUDIO, G4_BOI, G4_EOI, G4_BOA, G4_EOA, G4_VIDEO = range(V - 12, V - 5)
+G4_PATCH, G4_POOL, G4_MELS = 4, 2, 16
+
+
+def gemma4(bidirectional_vision=False, audio=False):
+    """A tiny multimodal Gemma 4: text (sliding window 4 at head_dim 64 on FA4, full at head_dim 512 on
+    FFPA), a 2-layer vision tower (head_dim 64, bidirectional over each image's patches, padded patches
+    masked) and optionally the audio tower (eager only in transformers). ``bidirectional_vision``: the
+    text's sliding layers see each image block bidirectionally (``use_bidirectional_attention="vision"``)."""
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, \
+        Gemma4VisionConfig
+
+    text = Gemma4TextConfig(
+        vocab_size=V, vocab_size_per_layer_input=V, hidden_size=128, hidden_size_per_layer_input=16,
+        intermediate_size=256, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=512, sliding_window=4,
+        max_position_embeddings=128, final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        use_bidirectional_attention="vision" if bidirectional_vision else None)
+    vision = Gemma4VisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=64, patch_size=G4_PATCH, pooling_kernel_size=G4_POOL,
+                                position_embedding_size=64)
+    extra = {}
+    if audio:
+        extra["audio_config"] = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                  subsampling_conv_channels=[G4_MELS, 8], attention_chunk_size=4,
+                                                  attention_context_left=5, attention_context_right=0,
+                                                  output_proj_dims=48)
+    return Gemma4ForConditionalGeneration, Gemma4Config(
+        text_config=text, vision_config=vision, image_token_id=G4_IMAGE, audio_token_id=G4_AUDIO,
+        boi_token_id=G4_BOI, eoi_token_id=G4_EOI, boa_token_id=G4_BOA, eoa_token_index=G4_EOA,
+        video_token_id=G4_VIDEO, **extra)
+
+
+def _gemma4_image(grid_w, grid_h, max_patches, seed):
+    """One image as Gemma 4's processor hands it over: patches ``[max_patches, 3 * p * p]`` in [0, 1] and their
+    (x, y) positions, (-1, -1) for padding patches; returns it and its soft-token count."""
+    n = grid_w * grid_h
+    pixels = torch.zeros(max_patches, 3 * G4_PATCH ** 2)
+    pixels[:n] = torch.rand(n, 3 * G4_PATCH ** 2, generator=torch.Generator().manual_seed(seed))
+    xs, ys = torch.meshgrid(torch.arange(grid_w), torch.arange(grid_h), indexing="xy")
+    pos = torch.full((max_patches, 2), -1, dtype=torch.long)
+    pos[:n] = torch.stack([xs.reshape(-1), ys.reshape(-1)], -1)
+    return pixels, pos, n // G4_POOL ** 2
+
+
+def _gemma4_inputs(audio=False, n=20, left=(0, 2)):
+    """Two rows, each [text, BOI, image tokens, EOI, text] (row 1 left-padded); the images have 24 of 32 and
+    32 of 32 patches (a padded and a full vision row); with ``audio`` row 0 also carries an audio clip."""
+    def inputs(device):
+        images = [_gemma4_image(6, 4, 32, 3), _gemma4_image(8, 4, 32, 4)]
+        ids = _ids(2, n)
+        mm = torch.zeros_like(ids)
+        for row, (_, _, count) in enumerate(images):
+            start = 3 + left[row]
+            ids[row, start - 1], ids[row, start:start + count], ids[row, start + count] = G4_BOI, G4_IMAGE, G4_EOI
+            mm[row, start:start + count] = 1
+        kw = dict(input_ids=ids, attention_mask=_pad(2, n, left=left), mm_token_type_ids=mm,
+                  pixel_values=torch.stack([p for p, _, _ in images]),
+                  image_position_ids=torch.stack([q for _, q, _ in images]))
+        if audio:
+            features = torch.randn(2, 24, G4_MELS, generator=torch.Generator().manual_seed(5))
+            valid = torch.zeros(2, 24, dtype=torch.bool)
+            valid[0, :20] = True  # row 0: 5 audio tokens (two stride-2 convolutions); row 1: none
+            tokens = int(valid[0, ::2][::2].sum())
+            a = n - tokens - 2
+            ids[0, a - 1], ids[0, a:a + tokens], ids[0, a + tokens] = G4_BOA, G4_AUDIO, G4_EOA
+            mm[0, a:a + tokens] = 3
+            kw.update(input_features=features[:1], input_features_mask=valid[:1])
+        return {name: t.to(device) for name, t in kw.items()}
+    return inputs
+
+
+def _train_step(model, kw):
+    """A training step's loss and gradients (every attention projection of the text and vision towers)."""
+    labels = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, -100)
+    loss = model(**kw, labels=labels).loss
+    params = [(n, p) for n, p in model.named_parameters() if "self_attn" in n and n.endswith("proj.weight")]
+    grads = torch.autograd.grad(loss, [p for _, p in params])
+    return {"loss": loss.detach().reshape(1), **{n: g for (n, _), g in zip(params, grads)}}
+
+
 def _prefix_lm_inputs(device):
     """A caller's 4D bool mask: causal, with the first 4 tokens bidirectional (prefix LM)."""
     n = 10
@@ -396,4 +493,17 @@ CASES = [
          fallbacks=("mask_function->sdpa",)),
     Case("image tokens, vision d32 (all fallback)", "gemma3", lambda: gemma3(vision_heads=2), _gemma3_inputs,
          _logits, fallbacks=("ffpa_unavailable->sdpa", "mask_function->sdpa")),
+    # Gemma 4 multimodal: vision layers (bidirectional, padded patches) run FA4 varlen, the text's sliding layer
+    # FA4 with its window, the full layer FFPA at head_dim 512 (left padding: varlen)
+    Case("image tokens, left padded", "gemma4", gemma4, _gemma4_inputs(), _logits, dict(full=2, window=1, causal=1),
+         kernel_family="fa4+ffpa"),
+    Case("image tokens, training step", "gemma4", gemma4, _gemma4_inputs(), _train_step,
+         dict(full=2, window=1, causal=1), kernel_family="fa4+ffpa", grad=True),
+    Case("image tokens, generate", "gemma4", gemma4, _gemma4_inputs(n=16), _generate(),
+         dict(full=2, window=5, causal=5), kernel_family="fa4+ffpa"),
+    Case("image tokens, bidirectional vision blocks", "gemma4", lambda: gemma4(bidirectional_vision=True),
+         _gemma4_inputs(), _logits, dict(full=2, causal=1), kernel_family="fa4+ffpa",
+         fallbacks=("mask_function->sdpa",)),
+    Case("image + audio tokens", "gemma4", lambda: gemma4(audio=True), _gemma4_inputs(audio=True), _logits,
+         dict(full=2, window=1, causal=1), kernel_family="fa4+ffpa", fixed_impls={"audio_config": "eager"}),
 ]

@@ -70,6 +70,16 @@ def test_causal_fa4_attention(dtype, d, dv, hq, hkv):
            causal_mask(2, 173, device=DEVICE), scale)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nq, nk", [(97, 173), (173, 97)])
+def test_causal_fa4_attention_unequal_lengths(dtype, nq, nk):
+    """Nq != Nk as NeMo passes it to FA4: causal aligned bottom-right (queries that see no key give 0)."""
+    q, k, v = _inputs(2, 4, 2, nq, nk, 128, 128, dtype, seed=nq)
+    i, j = torch.arange(nq, device=DEVICE)[:, None], torch.arange(nk, device=DEVICE)[None, :]
+    _check(lambda q, k, v: fa4.causal_fa4_attention(q, k, v, scale=0.08), q, k, v,
+           (j <= i + nk - nq).expand(2, nq, nk), 0.08)
+
+
 # row 0: left padding, documents 1-3, trailing padding; row 1: documents 4-6 (6 crosses shards), padding
 KV_IDS = [[0] * 16 + [1] * 70 + [2] * 90 + [3] * 50 + [0] * 30, [4] * 100 + [5] * 3 + [6] * 133 + [0] * 20]
 

@@ -30,5 +30,8 @@ def test_zoo_case(case, monkeypatch):
     monkeypatch.setattr(fa, "kernels_available", lambda: None)
     row = hf_zoo.compare(case, "cpu", torch.bfloat16)
     ROWS.append(row)
-    assert stubs.CALLS == [("fwd", f) for f, _ in row.calls]  # every launch reached the (stand-in) kernels
+    # every launch reached the (stand-in) kernels; a training step's backward runs on the same families
+    assert [c for c in stubs.CALLS if c[0] == "fwd"] == [("fwd", f) for f, _ in row.calls]
+    backward = {f for d, f in stubs.CALLS if d == "bwd"}
+    assert backward == ({f for f, _ in row.calls} if case.grad else set()), stubs.CALLS
     hf_zoo.assert_case(case, row)

@@ -12,8 +12,8 @@ Run exactly or fall back exactly:
   segments, built once per forward). Anything else (chunked layers, image-token blocks, custom
   overlays, right padding that differs per row) gets HF's own SDPA mask, with a warning naming the
   reason. ``config.ffpa_sliding_attn_backend`` (NeMo's knob; else ``XATTN_SLIDING_BACKEND``) picks
-  "fa4" (kernels, default), "flex" (HF's ``BlockMask``) or "sdpa" for non-causal layers. Vision and
-  audio sub-encoders get HF's SDPA mask, as under ``attn_implementation="sdpa"``.
+  "fa4" (kernels, default), "flex" (HF's ``BlockMask``) or "sdpa" for non-causal layers of the text
+  model; vision and audio sub-encoders are planned like any layer (their padding kept).
 * :func:`ffpa_attention_forward` runs a plan on the kernels (FFPA for head_dim 320-512,
   FA4 for <= 256 and windows) when dtype, scaling, head dims and options allow; otherwise it falls
   back exactly: SDPA with the layer's exact mask, the model's own eager function for ``softcap`` or
@@ -205,9 +205,10 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
       backend ``config.ffpa_sliding_attn_backend`` names (else ``XATTN_SLIDING_BACKEND``): "fa4" (the
       kernels, default), "flex" (HF's ``BlockMask``; the layer runs FlexAttention) or "sdpa" (HF's SDPA
       mask); anything else raises ValueError.
-    * vision / audio sub-encoders (``config.model_type`` with "vision" or "audio"): HF's own SDPA mask
-      (possibly None), i.e. exactly what ``attn_implementation="sdpa"`` gives them. NeMo returns None
-      there, which drops the sub-encoder's padding mask; xattn keeps sdpa's results.
+    * vision / audio sub-encoders (``config.model_type`` with "vision" or "audio", e.g. Gemma 4's towers)
+      are planned like any layer (bidirectional over their padded patches: a PlannedMask), and the
+      sliding backend setting does not apply to them. NeMo returns None there, which drops the
+      sub-encoder's padding mask; xattn keeps sdpa's results.
 
     ``attention_mask`` is HF's 2D padding mask ``[B, >= kv_length]`` (its last ``kv_length`` columns are read).
     """
@@ -229,9 +230,7 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
             mask._xattn_factory_fallback = True  # the attention function knows it is HF's exact mask
         return mask
 
-    if _is_sub_encoder(config):
-        return hf_sdpa_mask(allow_is_causal_skip=kwargs.get("allow_is_causal_skip", True))
-    if mask_function is not None and mask_function is not mu.causal_mask_function:
+    if not _is_sub_encoder(config) and mask_function is not None and mask_function is not mu.causal_mask_function:
         backend = _sliding_backend(config)
         if backend == "flex":
             return mu.flex_attention_mask(**args, **extra)
