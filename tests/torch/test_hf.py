@@ -97,13 +97,22 @@ def test_padding_mask_unpads_and_repads(kernels):
     torch.testing.assert_close(out[:, 2:].double(), ref[:, 2:], atol=2e-2, rtol=2e-2)
 
 
-def test_packed_position_ids_equal_documents_alone(kernels):
+def test_packed_documents_need_a_separating_mask_or_cu_seq_lens(kernels, caplog):
+    """With no mask (the factory's None for plain causal, or a direct call), restarting position_ids run as
+    SDPA runs them: one sequence (noted once). FA-style cu_seq_lens_q/k separate the documents."""
     q, k, v = _hf_inputs(b=1, n=7)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
-    out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05, position_ids=pos)
+    with caplog.at_level(logging.WARNING):
+        out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05, position_ids=pos)
+    whole, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05)
+    torch.testing.assert_close(out, whole)
+    assert "(reason='packed_position_ids')" in caplog.text
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    docs, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05, position_ids=pos, cu_seq_lens_q=cu,
+                                        cu_seq_lens_k=cu)
     for a, b in ((0, 3), (3, 7)):
         alone, _ = fa.ffpa_attention_forward(_Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, scaling=0.05)
-        torch.testing.assert_close(out[:, a:b], alone, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(docs[:, a:b], alone, atol=1e-2, rtol=1e-2)
 
 
 def test_sliding_window_layer_uses_fa4_local(kernels):

@@ -21,7 +21,8 @@ Run exactly or fall back exactly:
 * Without a factory mask (``attention_mask=None``, direct calls): causal per ``is_causal`` /
   ``module.is_causal``, bottom-right aligned (FlashAttention); ``sliding_window=w`` is HF's
   FlashAttention convention ``(w-1, 0)`` causal / ``(w-1, w-1)`` not; packed rows from
-  ``cu_seq_lens_q/k`` or restarting ``position_ids`` (batch 1).
+  ``cu_seq_lens_q/k`` (batch 1). Restarting ``position_ids`` alone run as SDPA runs them (one
+  sequence), with a note: HF builds a document mask for them when it separates documents.
 
 Context parallelism (``setup_ffpa_backend(cp_size > 1, False)`` or ``xattn.torch.context_parallel(group)``):
 every layer receives this rank's sequence shard; global layers run :func:`xattn.torch.ring.ring_attention`, sliding
@@ -336,7 +337,9 @@ def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
 # --- the attention function -----------------------------------------------------------------
 
 def _packed_kwargs(kwargs, batch: int, q_len: int):
-    """``((cu_q, cu_k), (max_q, max_k))`` from ``cu_seq_lens_q/k`` or restarting ``position_ids``, else None."""
+    """``((cu_q, cu_k), (max_q, max_k))`` from FlashAttention-style ``cu_seq_lens_q/k``, else None. Restarting
+    ``position_ids`` alone do not separate documents here: with no mask that separates them, SDPA lets them
+    attend to each other, and so do the kernels (:func:`_note_unseparated_documents` says so once)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if cu_q is None or cu_k is None or batch != 1:
@@ -345,15 +348,7 @@ def _packed_kwargs(kwargs, batch: int, q_len: int):
         mq = int((cu_q[1:] - cu_q[:-1]).max()) if mq is None else int(mq)
         mk = int((cu_k[1:] - cu_k[:-1]).max()) if mk is None else int(mk)
         return (cu_q, cu_k), (mq, mk)
-    pos = kwargs.get("position_ids")
-    if pos is None or batch != 1 or pos.dim() != 2 or pos.shape[-1] != q_len:
-        return None
-    starts = torch.nonzero(pos[0, 1:] - pos[0, :-1] != 1).flatten() + 1  # HF's rule: a step other than +1
-    if starts.numel() == 0:
-        return None
-    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([q_len])])
-    longest = int((bounds[1:] - bounds[:-1]).max())
-    return (bounds, bounds), (longest, longest)
+    return None
 
 
 def _plan(module, query, key, attention_mask, kwargs) -> KernelMask:
@@ -369,7 +364,10 @@ def _plan(module, query, key, attention_mask, kwargs) -> KernelMask:
     else:
         window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
     packed = _packed_kwargs(kwargs, query.shape[0], query.shape[2])
-    return plan_without_mask(query, key, window, *(packed or (None, None)))
+    plan = plan_without_mask(query, key, window, *(packed or (None, None)))
+    if attention_mask is None:  # the factory's None (plain causal) or a direct call: as SDPA runs it
+        _note_unseparated_documents(plan, kwargs.get("position_ids"))
+    return plan
 
 
 def _note_unseparated_documents(plan: KernelMask, position_ids) -> None:
@@ -380,7 +378,7 @@ def _note_unseparated_documents(plan: KernelMask, position_ids) -> None:
         return
     plan.notes["positions_checked"] = True
     if bool((position_ids[0, 1:] - position_ids[0, :-1] != 1).any()):
-        _warn_once("packed_position_ids", "position_ids restart, but HF's mask does not separate the documents "
+        _warn_once("packed_position_ids", "position_ids restart, but the mask does not separate the documents "
                    "(a cache is in use): they attend to each other, as under sdpa. Pass use_cache=False, or "
                    "cu_seq_lens_q/k, to keep them apart", target="the mask as given")
 
