@@ -63,10 +63,15 @@ def test_matches_jax_nn_xla_float32(d, dtype, t, s, kw, q_len, kv_len):
         assert _rel(a, r) < 1e-2, name
 
 
-def test_ffpa_refuses_a_window_and_vmap_runs():
+def test_ffpa_window_falls_back_exactly_strict_refuses_and_vmap_runs():
     q, k, v = _qkv(1, 2, 128, 128, 512, jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="FFPA"):
-        xj.dot_product_attention(q, k, v, local_window_size=(32, 0), backend="kernel")
+    with pytest.raises(NotImplementedError, match="FFPA has none"):
+        xj.dot_product_attention(q, k, v, local_window_size=(32, 0), backend="kernel", strict=True)
+    xj.nn._FALLBACK_WARNED.clear()
+    with pytest.warns(UserWarning, match="sliding window at head_dim 512"):
+        got = xj.dot_product_attention(q, k, v, local_window_size=(32, 0), backend="kernel")
+    want = jax.nn.dot_product_attention(q, k, v, local_window_size=(32, 0), implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     f = lambda q, k, v: xj.dot_product_attention(q, k, v, is_causal=True, backend="kernel")  # noqa: E731
     mapped = jax.jit(jax.vmap(f))(q[None], k[None], v[None])[0]
     assert _rel(mapped.astype(jnp.float32), f(q, k, v).astype(jnp.float32)) < 1e-6
