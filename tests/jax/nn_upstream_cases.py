@@ -138,15 +138,22 @@ class Result:
         return "agree" if not self.errors else "differ"
 
 
-def run_case(ours, case: Case, jit: bool = True, seed: int = 0, jit_theirs: bool | None = None) -> Result:
-    """``ours`` (a jax.nn-signature function) against jax.nn's XLA implementation on one case, each under
-    ``jax.jit`` or not (``jit_theirs`` defaults to ``jit``); the route is read from xattn's fallback warning
-    (cleared first, so each case warns afresh)."""
+def _as_f32(x: dict) -> dict:
+    cast = lambda a: None if a is None else a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    return {**{n: cast(x[n]) for n in ("q", "k", "v", "grad", "lse_grad")},
+            "arrays": {n: cast(a) for n, a in x["arrays"].items()}, "static": x["static"]}
+
+
+def run_case(ours, case: Case, jit: bool = True, seed: int = 0, reference_f32: bool = False) -> Result:
+    """``ours`` (a jax.nn-signature function) against jax.nn's XLA implementation on one case, under
+    ``jax.jit`` unless ``jit=False``; ``reference_f32``: jax.nn runs on the float32 of the same inputs (XLA:CPU
+    has no fp16 x fp16 -> fp32 dot under jit). The route is read from xattn's fallback warning (cleared
+    first, so each case warns afresh)."""
     from xattn.jax import nn as xnn
 
     x = inputs(case, seed)
     theirs = functools.partial(jax.nn.dot_product_attention, implementation="xla")
-    want = _outputs(theirs, case, x, jit if jit_theirs is None else jit_theirs)
+    want = _outputs(theirs, case, _as_f32(x) if reference_f32 else x, jit)
     xnn._FALLBACK_WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -155,6 +162,8 @@ def run_case(ours, case: Case, jit: bool = True, seed: int = 0, jit_theirs: bool
     tol = TOL_ATTENTION if case.kind == "attention" else TOL_MASK
     errors = []
     for name, value in got.items():
+        if value is not None and jnp.dtype(value.dtype) != jnp.dtype(x["q"].dtype) and name != "dbias":
+            errors.append(f"{name}: dtype {value.dtype}, expected {x['q'].dtype}")
         base = name.split("_")[0]
         err = _close(name, value, want[name], tol.get(base, 0.01))
         if err:

@@ -24,7 +24,7 @@ def _can_jit(case) -> bool:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_reference_backend_passes_jax_nn_cases(case):
     result = run_case(functools.partial(xj.dot_product_attention, backend="reference"), case,
-                      jit_theirs=_can_jit(case))
+                      reference_f32=not _can_jit(case))
     assert not result.errors, result.errors
 
 
@@ -40,15 +40,15 @@ D128 = [c for c in CASES if c.head_dim == 128]  # (d32 only falls back: test_nn.
 
 @pytest.mark.parametrize("case", D128, ids=[c.name for c in D128])
 def test_kernel_route_passes_jax_nn_cases(case):
-    """The NumPy stand-in takes fp16 and runs op by op here (jax.nn's fp16 XLA call cannot run under jit on
-    the CPU), so the kernel cases run in fp16 without jit; the routes are the GPU's."""
+    """The NumPy stand-in takes fp16, so the kernel cases run in fp16 (against jax.nn on their float32: XLA:CPU
+    cannot run jax.nn's fp16 call under jit); the routes are the GPU's."""
     route = _expected_route(case)
     if route == "kernel":
         case = dataclasses.replace(case, dtype=jnp.float16)
     _ffi.set_launcher_provider(numpy_launcher.provider)
     try:
         result = run_case(functools.partial(xj.dot_product_attention, backend="kernel"), case,
-                          jit=_can_jit(case))
+                          reference_f32=not _can_jit(case))
     finally:
         _ffi.set_launcher_provider(None)
     assert not result.errors, result.errors
