@@ -48,10 +48,13 @@ def test_setup_checks():
 def test_ffpa_mask_cases():
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    assert fa.ffpa_mask(2, 4, 4) is None  # plain causal: None, as NeMo's factory
-    assert fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long)) is None  # all ones: no padding
+    m = fa.ffpa_mask(2, 4, 4).plan
+    assert m.causal and not m.varlen  # plain causal: planned (never None, see test_hf_masks)
+    m = fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long)).plan
+    assert m.causal and not m.varlen  # all ones: no padding
     pad = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
-    assert fa.ffpa_mask(2, 4, 4, q_offset=1, kv_offset=1, attention_mask=pad) is None  # the padded slot is outside
+    m = fa.ffpa_mask(2, 4, 4, q_offset=1, kv_offset=1, attention_mask=pad).plan
+    assert not m.varlen  # offset 1: the padded slot is outside the kv range
     m = fa.ffpa_mask(2, 5, 5, attention_mask=pad).plan
     assert m.varlen and m.cu_seqlens_q.tolist() == [0, 0, 5, 5, 5, 10, 10]
     assert m.cu_seqlens_k.tolist() == [0, 1, 5, 5, 5, 10, 10]
@@ -97,22 +100,13 @@ def test_padding_mask_unpads_and_repads(kernels):
     torch.testing.assert_close(out[:, 2:].double(), ref[:, 2:], atol=2e-2, rtol=2e-2)
 
 
-def test_packed_documents_need_a_separating_mask_or_cu_seq_lens(kernels, caplog):
-    """With no mask (the factory's None for plain causal, or a direct call), restarting position_ids run as
-    SDPA runs them: one sequence (noted once). FA-style cu_seq_lens_q/k separate the documents."""
+def test_packed_position_ids_equal_documents_alone(kernels):
     q, k, v = _hf_inputs(b=1, n=7)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
-    with caplog.at_level(logging.WARNING):
-        out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05, position_ids=pos)
-    whole, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05)
-    torch.testing.assert_close(out, whole)
-    assert "(reason='packed_position_ids')" in caplog.text
-    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    docs, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05, position_ids=pos, cu_seq_lens_q=cu,
-                                        cu_seq_lens_k=cu)
+    out, _ = fa.ffpa_attention_forward(_Module(), q, k, v, None, scaling=0.05, position_ids=pos)
     for a, b in ((0, 3), (3, 7)):
         alone, _ = fa.ffpa_attention_forward(_Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, scaling=0.05)
-        torch.testing.assert_close(docs[:, a:b], alone, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out[:, a:b], alone, atol=1e-2, rtol=1e-2)
 
 
 def test_sliding_window_layer_uses_fa4_local(kernels):

@@ -1,8 +1,9 @@
 """The "ffpa" mask factory is exact: for every mask HF builds (causal, sliding, bidirectional, packed,
 padding, KV-cache offsets), what the kernels would attend to under the returned plan equals HF's own
 SDPA mask, element for element; everything else falls back to that very mask. The factory returns
-``torch.Tensor | BlockMask | None`` (NeMo's contract): None for plain causal layers, else a
-:class:`PlannedMask` (HF's mask, carrying the plan) or HF's own mask."""
+``torch.Tensor | BlockMask | None`` (NeMo's annotation): a :class:`PlannedMask` (HF's mask, carrying
+the plan) or HF's own mask; never None (NeMo's None for plain causal layers leaves the mask to the
+layer's kwargs, which can contradict it)."""
 
 import logging
 import random
@@ -168,15 +169,29 @@ def test_planned_mask_reads_as_the_sdpa_mask_everywhere():
     assert "PlannedMask(" in repr(got)
 
 
-def test_factory_returns_none_for_plain_causal_only():
-    """None exactly where NeMo and ``sdpa_mask`` return it: causal, no padding, queries the last keys."""
-    assert fa.ffpa_mask(2, 4, 4) is None
-    assert fa.ffpa_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.long)) is None
-    assert fa.ffpa_mask(1, 1, 9, q_offset=8) is None  # decode step, dynamic cache
-    assert fa.ffpa_mask(2, 4, 4, mask_function=mu.causal_mask_function) is None
-    assert isinstance(fa.ffpa_mask(1, 1, 16, q_offset=8), PlannedMask)  # static cache: empty slots cut
-    assert isinstance(fa.ffpa_mask(2, 4, 4, attention_mask=torch.tensor([[0, 1, 1, 1]] * 2)), PlannedMask)
-    assert isinstance(fa.ffpa_mask(2, 4, 4, mask_function=mu.bidirectional_mask_function), PlannedMask)
+def test_plain_causal_mask_is_planned_and_wins_over_contradicting_kwargs(monkeypatch):
+    """Plain causal layers get a PlannedMask too (not NeMo's None): the layer's kwargs may contradict the
+    mask (``is_causal=False``, a ``sliding_window``), and SDPA runs the mask. Found by the GPU fuzz."""
+    from . import stubs
+
+    stubs.install(monkeypatch)
+    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    for args in (dict(batch_size=2, q_length=4, kv_length=4), dict(batch_size=1, q_length=1, kv_length=9, q_offset=8),
+                 dict(batch_size=2, q_length=18, kv_length=25, q_offset=7)):
+        got = fa.ffpa_mask(**args, mask_function=mu.causal_mask_function)
+        assert isinstance(got, PlannedMask) and got.plan.causal
+        assert torch.equal(got[:, 0], hf_truth(mask_function=mu.causal_mask_function, **args))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, n, 512, generator=g).to(torch.bfloat16) for h, n in ((4, 18), (2, 25), (2, 25)))
+    mask = fa.ffpa_mask(2, 18, 25, q_offset=7)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+    out, _ = fa.ffpa_attention_forward(Layer(), q, k, v, mask, scaling=0.05, is_causal=False, sliding_window=16)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(2, 1),
+                                                            v.double().repeat_interleave(2, 1),
+                                                            attn_mask=mask.plan.sdpa_mask(), scale=0.05)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), atol=2e-2, rtol=2e-2)
 
 
 def test_kernel_mask_refuses_other_indexing():

@@ -5,7 +5,7 @@ function, its mask factory, registration, and the low-level SDPA-layout fwd/bwd 
 Run exactly or fall back exactly:
 
 * :func:`ffpa_mask` (the mask factory) reads the layer's HF ``mask_function`` and returns what NeMo's
-  returns, ``torch.Tensor | BlockMask | None``: None for plain causal layers; for causal, sliding-window
+  returns, ``torch.Tensor | BlockMask | None`` (never None: see its docstring); for causal, sliding-window
   (causal or bidirectional), packed-document and padding masks a
   :class:`~xattn.torch.hf_masks.PlannedMask`, HF's exact 4D SDPA mask as a tensor that is built only if
   read, carrying the launch plan (:class:`~xattn.torch.hf_masks.KernelMask`: kernel window + varlen
@@ -21,8 +21,7 @@ Run exactly or fall back exactly:
 * Without a factory mask (``attention_mask=None``, direct calls): causal per ``is_causal`` /
   ``module.is_causal``, bottom-right aligned (FlashAttention); ``sliding_window=w`` is HF's
   FlashAttention convention ``(w-1, 0)`` causal / ``(w-1, w-1)`` not; packed rows from
-  ``cu_seq_lens_q/k`` (batch 1). Restarting ``position_ids`` alone run as SDPA runs them (one
-  sequence), with a note: HF builds a document mask for them when it separates documents.
+  ``cu_seq_lens_q/k`` or restarting ``position_ids`` (batch 1).
 
 Context parallelism (``setup_ffpa_backend(cp_size > 1, False)`` or ``xattn.torch.context_parallel(group)``):
 every layer receives this rank's sequence shard; global layers run :func:`xattn.torch.ring.ring_attention`, sliding
@@ -193,13 +192,14 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
               mask_function=None, attention_mask=None, dtype: torch.dtype = torch.float32, **kwargs):
     """Mask factory of ``"ffpa"`` (``ALL_MASK_ATTENTION_FUNCTIONS["ffpa"]``), same arguments as HF's ``sdpa_mask``.
 
-    Returns ``torch.Tensor | BlockMask | None``, as NeMo's factory:
+    Returns ``torch.Tensor | BlockMask | None`` (NeMo's annotation; xattn never returns None):
 
-    * ``None`` for plain causal attention without padding, queries being the last keys (as NeMo and
-      HF's ``sdpa_mask``); the attention function then runs causal (bottom-right) from the module.
     * a :class:`~xattn.torch.hf_masks.PlannedMask`: HF's exact SDPA mask (bool ``[B, 1, q_length,
       kv_length]``, True = attend, built only if read) carrying the launch plan, for every pattern the
-      kernels run exactly (padding, sliding windows, packed documents, bidirectional, caches).
+      kernels run exactly (plain causal too, padding, sliding windows, packed documents, bidirectional,
+      caches). NeMo returns None for plain causal layers without padding; that leaves the layer's
+      kwargs (``is_causal``, ``sliding_window``) to decide a mask the factory knew, which they can
+      contradict (the GPU fuzz found such calls), so the plan always travels with the mask.
     * HF's own SDPA mask (4D bool) where the kernels cannot reproduce the mask (chunked layers,
       image-token blocks, custom overlays, uneven right padding), with a warning naming the reason.
     * for non-causal masks (``mask_function`` other than HF's ``causal_mask_function``), the
@@ -249,8 +249,6 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     if attention_mask is not None:
         keep = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
         keep = None if bool(keep.all()) else keep
-    if keep is None and pattern.doc_ids is None and (pattern.left, pattern.right) == (None, 0) and q_offset - kv_offset == kv_length - q_length:
-        return None  # plain causal, no padding: what NeMo and sdpa_mask return
     plan = plan_hf_mask(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, keep, device,
                         hf_sdpa_mask)
     if isinstance(plan, str):
@@ -337,9 +335,7 @@ def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
 # --- the attention function -----------------------------------------------------------------
 
 def _packed_kwargs(kwargs, batch: int, q_len: int):
-    """``((cu_q, cu_k), (max_q, max_k))`` from FlashAttention-style ``cu_seq_lens_q/k``, else None. Restarting
-    ``position_ids`` alone do not separate documents here: with no mask that separates them, SDPA lets them
-    attend to each other, and so do the kernels (:func:`_note_unseparated_documents` says so once)."""
+    """``((cu_q, cu_k), (max_q, max_k))`` from ``cu_seq_lens_q/k`` or restarting ``position_ids``, else None."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if cu_q is None or cu_k is None or batch != 1:
@@ -348,7 +344,15 @@ def _packed_kwargs(kwargs, batch: int, q_len: int):
         mq = int((cu_q[1:] - cu_q[:-1]).max()) if mq is None else int(mq)
         mk = int((cu_k[1:] - cu_k[:-1]).max()) if mk is None else int(mk)
         return (cu_q, cu_k), (mq, mk)
-    return None
+    pos = kwargs.get("position_ids")
+    if pos is None or batch != 1 or pos.dim() != 2 or pos.shape[-1] != q_len:
+        return None
+    starts = torch.nonzero(pos[0, 1:] - pos[0, :-1] != 1).flatten() + 1  # HF's rule: a step other than +1
+    if starts.numel() == 0:
+        return None
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([q_len])])
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return (bounds, bounds), (longest, longest)
 
 
 def _plan(module, query, key, attention_mask, kwargs) -> KernelMask:
@@ -364,10 +368,7 @@ def _plan(module, query, key, attention_mask, kwargs) -> KernelMask:
     else:
         window = hf_window(_causal(module, kwargs), kwargs.get("sliding_window"))
     packed = _packed_kwargs(kwargs, query.shape[0], query.shape[2])
-    plan = plan_without_mask(query, key, window, *(packed or (None, None)))
-    if attention_mask is None:  # the factory's None (plain causal) or a direct call: as SDPA runs it
-        _note_unseparated_documents(plan, kwargs.get("position_ids"))
-    return plan
+    return plan_without_mask(query, key, window, *(packed or (None, None)))
 
 
 def _note_unseparated_documents(plan: KernelMask, position_ids) -> None:
@@ -378,7 +379,7 @@ def _note_unseparated_documents(plan: KernelMask, position_ids) -> None:
         return
     plan.notes["positions_checked"] = True
     if bool((position_ids[0, 1:] - position_ids[0, :-1] != 1).any()):
-        _warn_once("packed_position_ids", "position_ids restart, but the mask does not separate the documents "
+        _warn_once("packed_position_ids", "position_ids restart, but HF's mask does not separate the documents "
                    "(a cache is in use): they attend to each other, as under sdpa. Pass use_cache=False, or "
                    "cu_seq_lens_q/k, to keep them apart", target="the mask as given")
 
