@@ -212,7 +212,6 @@ def _raises(exc, match, *args, **kw):
 
 def test_refusals(stand_in):
     q, k, v = _qkv((2,), 8, 6, 64)
-    big = _qkv((2,), 8, 6, 384)
     _raises(TypeError, "unexpected keyword", q, k, v, sliding_window=4)
     _raises(TypeError, "local_window_size", q, k, v, local_window_size=(1, 2, 3))
     _raises(ValueError, "implementation", q, k, v, implementation="flash")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
