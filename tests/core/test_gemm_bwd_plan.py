@@ -11,7 +11,9 @@ def test_route_table_follows_the_measurements(monkeypatch):
     assert gb.choose("ffpa", 512, 512, 8, True, seqlen_k=1024).route == "ffpa"
     assert gb.choose("ffpa", 512, 512, 1, True, seqlen_k=4096).route == "ffpa"
     assert gb.choose("ffpa", 512, 512, 1, False, seqlen_k=8192).route == "gemm"
-    assert "varlen" in gb.choose("ffpa", 512, 512, 8, True, varlen=True, seqlen_k=1 << 16).reason
+    assert gb.choose("ffpa", 512, 512, 8, True, varlen=True, seqlen_k=4096).route == "gemm"
+    short = gb.choose("ffpa", 512, 512, 8, True, varlen=True, seqlen_k=512)
+    assert short.route == "ffpa" and "keys per row's document 512" in short.reason
     assert gb.choose("ffpa", 512, 512, 8, False, window=(128, 0), seqlen_k=1 << 16).route == "ffpa"
     assert gb.choose("fa4", 128, 128, 8, True, seqlen_k=1 << 16).route == "fa4"
 
@@ -19,8 +21,9 @@ def test_route_table_follows_the_measurements(monkeypatch):
 def test_forced_routes(monkeypatch):
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     assert gb.choose("ffpa", 512, 512, 1, True, seqlen_k=64).route == "gemm"
-    with pytest.raises(ValueError, match="varlen"):
-        gb.choose("ffpa", 512, 512, 1, True, varlen=True, seqlen_k=64)
+    assert gb.choose("ffpa", 512, 512, 1, True, varlen=True, seqlen_k=64).route == "gemm"
+    with pytest.raises(ValueError, match="sliding windows"):
+        gb.choose("ffpa", 512, 512, 1, False, window=(64, 0), seqlen_k=64)
     with pytest.raises(ValueError, match="fa4 keeps"):
         gb.choose("fa4", 128, 128, 1, True, seqlen_k=64)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
@@ -82,3 +85,37 @@ def test_workspace_bound_counts_every_buffer():
 def test_info_lists_the_route_table():
     lines = gb.route_table()
     assert any("GQA group >= 8" in x for x in lines) and any("XATTN_BWD_ROUTE" in x for x in lines)
+
+
+def test_padded_lengths_stay_within_an_eighth():
+    assert [gb.padded_length(n) for n in (0, 1, 64, 65, 512, 513, 1000, 2048, 2049, 8192)] == \
+        [0, 64, 64, 128, 512, 576, 1024, 2048, 2304, 8192]
+    for n in range(513, 20000, 37):
+        assert n <= gb.padded_length(n) <= n * 1.125
+
+
+def test_varlen_groups_by_padded_length():
+    lens = [0, 1, 17, 1000, 8192, 2048, 2048, 60]
+    groups = gb.varlen_groups(lens, lens, 32)
+    assert [(grp.docs, grp.pad_q) for grp in groups] == [((4,), 8192), ((5, 6), 2048), ((3,), 1024), ((1, 2, 7), 64)]
+    assert [grp.masked_keys for grp in groups] == [False, False, True, True]
+    assert all(grp.shift == 0 for grp in groups)
+    # a document without keys or rows is in no group; q/k lengths differ: the largest nk - nq
+    groups = gb.varlen_groups([10, 0, 30, 5], [40, 9, 0, 60], 4)
+    assert [(grp.docs, grp.pad_q, grp.pad_k, grp.shift) for grp in groups] == [((0, 3), 64, 64, 55)]
+
+
+def test_varlen_groups_split_at_the_budget():
+    lens = [100] * 50
+    one_doc = gb.BYTES_PER_SCORE * 8 * gb.MIN_BLOCK_ROWS * 128
+    groups = gb.varlen_groups(lens, lens, 8, budget=10 * one_doc)
+    assert [len(grp.docs) for grp in groups] == [10] * 5
+    assert sorted(i for grp in groups for i in grp.docs) == list(range(50))
+    with pytest.raises(ValueError, match="negative"):
+        gb.varlen_groups([3, -1], [3, 1], 8)
+
+
+def test_keys_per_row():
+    assert gb.keys_per_row([2048] * 8, [2048] * 8) == 2048
+    assert gb.keys_per_row([100, 900], [100, 900]) == (100 * 100 + 900 * 900) // 1000
+    assert gb.keys_per_row([0, 0], [5, 5]) == 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests import numpy_gemm
-from tests.reference import attention, attention_bwd
+from tests.reference import attention, attention_bwd, varlen_attention
 from xattn.torch import gemm_bwd as gb
 
 pytest.importorskip("tvm_ffi")
@@ -106,3 +106,62 @@ def test_single_sequence_without_gqa_runs_in_place(b, hq, hkv, in_place):
     want = attention_bwd(dout, q, k, v, out, lse, scale=d ** -0.5, causal=True)
     for name, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
+
+
+def _varlen_case(lens_q, lens_k, hq, hkv, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, dout = (torch.randn(tq, hq, d, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(tk, hkv, d, generator=g).half() for _ in range(2))
+    return q, k, v, dout, cu(lens_q), cu(lens_k)
+
+
+def _varlen_want(q, k, v, dout, cu_q, cu_k, scale, causal):
+    """fp64 autograd through the packed reference, and its out/lse."""
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out, lse = varlen_attention(q64, k64, v64, cu_q, cu_k, scale=scale, causal=causal)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), (q64.grad, k64.grad, v64.grad)
+
+
+@pytest.mark.parametrize("lens_q, lens_k, hq, hkv, causal, rows", [
+    ([0, 1, 17, 100, 64, 130], None, 4, 1, True, None),      # empty, 1-token and odd documents, GQA 4
+    ([0, 1, 17, 100, 64, 130], None, 4, 1, False, None),     # the same, not causal (padded keys masked)
+    ([200, 70, 70, 3], None, 8, 1, True, 64),                # several blocks per document, GQA 8
+    ([150, 40, 90], [190, 40, 30], 2, 2, True, 64),          # Nq != Nk per document (bottom-right)
+    ([150, 40, 90], [190, 0, 30], 6, 2, False, None),        # a document without keys
+    ([64, 64, 64, 64], None, 2, 1, False, None),             # one group, nothing padded: probs_full
+])
+def test_varlen_documents_vs_fp64(lens_q, lens_k, hq, hkv, causal, rows):
+    """Packed documents through the grouped, padded blocks: every document's gradients vs fp64, rows
+    and keys of empty documents 0, no block straddling two documents."""
+    lens_k = lens_q if lens_k is None else lens_k
+    q, k, v, dout, cu_q, cu_k = _varlen_case(lens_q, lens_k, hq, hkv, seed=sum(lens_q))
+    scale = 32 ** -0.5
+    out, lse, want = _varlen_want(q, k, v, dout, cu_q, cu_k, scale, causal)
+    numpy_gemm.CALLS.clear()
+    gemms = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
+    got = gb.gemm_backward_varlen(dout, q, k, v, out.half(), lse.float(), lens_q, lens_k, softmax_scale=scale,
+                                  causal=causal, gemms=gemms, rows=rows)
+    for name, x, r, ref in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        assert x.shape == ref.shape and x.dtype == torch.float16 and x.is_contiguous(), name
+        err = (x.double() - r).abs().max().item()
+        assert err < 2e-2 * max(1.0, r.abs().max().item()), (name, err)
+        assert torch.isfinite(x).all(), name
+    masked = causal or any(b < gb.plan_mod.padded_length(b) for b in lens_k if b)
+    assert ("probs_causal" in numpy_gemm.CALLS) == masked
+
+
+def test_varlen_groups_share_launches():
+    """Many short documents of one padded length run as one batch: one probabilities launch."""
+    lens = [100, 110, 120, 128, 97] * 4
+    q, k, v, dout, cu_q, cu_k = _varlen_case(lens, lens, 2, 1)
+    out, lse, want = _varlen_want(q, k, v, dout, cu_q, cu_k, 0.2, True)
+    numpy_gemm.CALLS.clear()
+    gemms = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
+    got = gb.gemm_backward_varlen(dout, q, k, v, out.half(), lse.float(), lens, lens, softmax_scale=0.2,
+                                  causal=True, gemms=gemms)
+    assert numpy_gemm.CALLS.count("probs_causal") == 1
+    for x, r in zip(got, want):
+        assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())

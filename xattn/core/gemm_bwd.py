@@ -22,7 +22,10 @@ computed. dS is formed from the fp32 P: with the 16-bit P the gradient error vs 
 1.86x FFPA's on the H200 (mean 1.13x), with the fp32 P it is 1.00x (mean 0.996x).
 
 This module is the framework-neutral part: which backward a problem gets (:func:`choose`),
-the blocks (:func:`plan`) and the memory they take (:func:`workspace_bytes`). The GEMMs are
+the blocks (:func:`plan`), the memory they take (:func:`workspace_bytes`) and, for packed
+(varlen) problems, the document groups (:func:`varlen_groups`): documents of similar length are
+padded to one length and run as one dense batch, so many short documents share each GEMM launch
+and no block ever straddles two documents (per-row positions mask the padding). The GEMMs are
 quack's sm90 CuTeDSL GEMMs with the epilogues of :mod:`xattn.core.gemm_bwd_epilogues`; the
 torch front end drives them (:mod:`xattn.torch.gemm_bwd`).
 
@@ -36,8 +39,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "choose", "plan", "workspace_bytes", "route_table", "env_route",
-           "budget_bytes"]
+__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes", "route_table",
+           "env_route", "budget_bytes", "varlen_groups", "padded_length", "keys_per_row"]
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
@@ -92,18 +95,25 @@ def _uncovered(family, head_dim, head_dim_v, causal, window, varlen) -> str | No
         return f"the GEMM backward covers FFPA head dims (320-512); {family} keeps its own backward"
     if head_dim != head_dim_v:
         return "the GEMM backward needs equal q/k and v head dims"
-    if varlen:
-        return ("varlen (packed) problems keep FFPA's backward: the dense block plan would straddle documents "
-                "(a per-document plan over quack's varlen-M GEMMs is not built yet)")
     if window is not None and any(w is not None and w >= 0 for w in window):
         return "sliding windows keep FFPA's backward"
     return None
+
+
+def covers(family: str, head_dim: int, head_dim_v: int, window=(None, None), route: str | None = None) -> bool:
+    """Whether the GEMM backward may run this problem at all (before anything that costs, such as
+    reading a packed batch's document lengths to the host)."""
+    route = env_route() if route is None else route
+    return route != "ffpa" and _uncovered(family, head_dim, head_dim_v, False, window, False) is None
 
 
 def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
            window=(None, None), varlen: bool = False, seqlen_k: int = 0, route: str | None = None
            ) -> RouteChoice:
     """Pick the backward of one problem: ``"gemm"`` where the measured table says it is faster.
+
+    ``seqlen_k``: the key count (dense), or for ``varlen`` the keys an average query row's
+    document holds (:func:`keys_per_row`), so a batch of short documents routes as short ones do.
 
     ``route`` overrides ``XATTN_BWD_ROUTE``; a forced ``"gemm"`` on a problem the route does not
     cover raises ValueError (it never falls back silently).
@@ -121,10 +131,11 @@ def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, c
     if why_not:
         return RouteChoice("ffpa", why_not)
     min_keys = next(n for g, n in MIN_KEYS_BY_GROUP if qhead_per_kvhead >= g)
+    what = "keys per row's document" if varlen else "Nk"
     if seqlen_k < min_keys:
-        return RouteChoice("ffpa", f"Nk {seqlen_k} < {min_keys}: FFPA's fused backward is faster there "
+        return RouteChoice("ffpa", f"{what} {seqlen_k} < {min_keys}: FFPA's fused backward is faster there "
                                    f"(GQA group {qhead_per_kvhead}, measured on the H200)")
-    return RouteChoice("gemm", f"Nk {seqlen_k} >= {min_keys} at GQA group {qhead_per_kvhead}: "
+    return RouteChoice("gemm", f"{what} {seqlen_k} >= {min_keys} at GQA group {qhead_per_kvhead}: "
                                "chunked-GEMM backward (measured faster on the H200)")
 
 
@@ -151,10 +162,11 @@ class GemmBwdPlan:
 
 
 def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
-         budget: int | None = None, rows: int | None = None) -> GemmBwdPlan:
+         budget: int | None = None, rows: int | None = None, shift: int | None = None) -> GemmBwdPlan:
     """Block rows from the budget (P, fp32 P and dS of one block fit ``budget`` bytes; causal:
     at most :data:`CAUSAL_MAX_ROWS`) and each block's key limit ``kend`` (bottom-right causal:
-    row i sees keys ``j <= i + Nk - Nq``)."""
+    row i sees keys ``j <= i + shift``, ``shift = Nk - Nq`` unless given: a group of padded
+    documents passes its largest ``nk - nq``)."""
     budget = budget_bytes() if budget is None else budget
     keys_stride = _align(max(seqlen_k, 1), ROW_ALIGN)
     if rows is None:
@@ -164,7 +176,7 @@ def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
         rows = max(MIN_BLOCK_ROWS, rows // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS)
         rows = min(rows, _align(max(seqlen_q, 1), MIN_BLOCK_ROWS))
     num_blocks = -(-seqlen_q // rows)
-    shift = seqlen_k - seqlen_q
+    shift = seqlen_k - seqlen_q if shift is None else shift
     blocks = []
     for c in range(num_blocks):
         kend = min(seqlen_k, (c + 1) * rows + shift) if causal else seqlen_k
@@ -190,3 +202,62 @@ def workspace_bytes(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, head
     keys = 2 * elem_bytes * batch * heads_kv * p.keys_stride * head_dim
     vectors = 20 * batch * heads_q * p.padded_q + 4 * batch * heads_kv * p.keys_stride
     return scores + acc + rows_perm + keys + vectors + DELTA_SLICE_BYTES
+
+
+# --- packed (varlen) problems: documents grouped by padded length ------------------------------
+
+PAD_STEP_MIN = 64  # documents up to 512 tokens pad to a multiple of 64, longer ones to 1/8 of their octave
+
+
+def padded_length(n: int) -> int:
+    """The length a document of ``n`` tokens is padded to in its group: a multiple of 64 up to 512,
+    beyond that of ``2**floor(log2 n) / 8`` (at most 12.5 % padding; 2048 stays 2048)."""
+    if n <= 0:
+        return 0
+    step = max(PAD_STEP_MIN, (1 << (n.bit_length() - 1)) // 8)
+    return _align(n, step)
+
+
+def keys_per_row(seqlens_q, seqlens_k) -> int:
+    """The keys an average query row's document holds: ``sum(nq·nk) / sum(nq)`` (0 without rows)."""
+    rows = sum(seqlens_q)
+    return sum(a * b for a, b in zip(seqlens_q, seqlens_k)) // rows if rows else 0
+
+
+@dataclass(frozen=True)
+class DocGroup:
+    """Documents run as one dense batch: ``docs`` (indices into the packed batch), their query and
+    key lengths padded to ``pad_q`` / ``pad_k``, ``shift`` (the largest ``nk - nq``: the causal
+    limit of its blocks) and whether some document has fewer keys than ``pad_k`` (``masked_keys``:
+    a non-causal group then masks the padding by position)."""
+
+    docs: tuple
+    pad_q: int
+    pad_k: int
+    shift: int
+    masked_keys: bool
+
+
+def varlen_groups(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None) -> list[DocGroup]:
+    """Documents with the same padded (query, key) lengths, largest first; documents without
+    query rows or without keys are left out (their gradients are 0). A group is split where one
+    block of ``MIN_BLOCK_ROWS`` rows of all its documents would pass the ``budget``."""
+    budget = budget_bytes() if budget is None else budget
+    if len(seqlens_q) != len(seqlens_k):
+        raise ValueError(f"{len(seqlens_q)} query lengths but {len(seqlens_k)} key lengths")
+    by_pad: dict = {}
+    for i, (nq, nk) in enumerate(zip(seqlens_q, seqlens_k)):
+        if nq < 0 or nk < 0:
+            raise ValueError(f"document {i}: negative length ({nq} queries, {nk} keys)")
+        if nq and nk:
+            by_pad.setdefault((padded_length(nq), padded_length(nk)), []).append(i)
+    groups = []
+    for (pq, pk), docs in sorted(by_pad.items(), key=lambda kv: (-kv[0][0] * kv[0][1], kv[0])):
+        per_doc = BYTES_PER_SCORE * heads_q * MIN_BLOCK_ROWS * _align(pk, ROW_ALIGN)
+        step = max(1, budget // per_doc)
+        for s in range(0, len(docs), step):
+            part = tuple(docs[s:s + step])
+            shift = max(seqlens_k[i] - seqlens_q[i] for i in part)
+            masked = any(seqlens_k[i] < pk for i in part)
+            groups.append(DocGroup(part, pq, pk, max(shift, pk - pq), masked))
+    return groups

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from xattn.core import gemm_bwd as plan_mod
 
-__all__ = ["gemm_backward", "CoreGemms"]
+__all__ = ["gemm_backward", "gemm_backward_varlen", "CoreGemms"]
 
 LOG2E = 1.4426950408889634
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -160,6 +160,64 @@ def _heads_rows(x: Tensor) -> Tensor:
     return x[0].transpose(0, 1)
 
 
+def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, block_rows: int,
+                masked: bool, softmax_scale: float, write_dkv) -> None:
+    """The five GEMMs of every block of plan ``p`` over the GEMM-ready operands (see
+    :func:`gemm_backward`): dq blocks into ``dqp``; ``write_dkv(gemms, p_block, dout_block, ds_block,
+    q_block, dk_acc, dv_acc)`` writes dk/dv from the last block (the accumulators are None with one
+    block). ``masked``: the probabilities mask by position (causal, or padded keys)."""
+    L, D, dt, dev = qp.shape[0], qp.shape[2], qp.dtype, qp.device
+    C, nk8 = p.num_blocks, p.keys_stride
+    dk_acc = dv_acc = None
+    if C > 1:  # fp32 accumulators of dk/dv over the blocks (one block writes dk/dv directly)
+        dk_acc = torch.zeros(L, kp.shape[1], D, device=dev, dtype=torch.float32)
+        dv_acc = torch.zeros_like(dk_acc)
+    n_scores = L * block_rows * nk8
+    p_buf = torch.empty(n_scores, device=dev, dtype=dt)
+    ds_buf = torch.empty(n_scores, device=dev, dtype=dt)
+    p32_buf = torch.empty(n_scores, device=dev, dtype=torch.float32)
+    scale_log2 = softmax_scale * LOG2E
+    for c, (_, kend) in enumerate(p.blocks):
+        r0 = c * block_rows
+        rs = slice(r0, min(r0 + block_rows, qp.shape[1]))  # direct: the last block ends at Nq
+        m = rs.stop - r0
+        if kend <= 0:
+            dqp[:, rs].zero_()  # every row of the block is before the first key
+            continue
+        k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
+        view = lambda buf: buf[: L * m * k8].view(L, m, k8)[:, :, :kend]  # noqa: E731
+        pb, dsb, p32 = view(p_buf), view(ds_buf), view(p32_buf)
+        qc, doc = qp[:, rs], dop[:, rs]
+        # whole kp / vp / colpos / accumulators: the launchers use their first kend rows in place
+        gemms.probs(qc, kp, pb, p32, rowbias[:, rs], rowpos[:, rs], colpos, scale_log2, masked)
+        gemms.grad_scores(doc, vp, dsb, p32, delta[:, rs], softmax_scale)
+        if c < C - 1:
+            gemms.add_into(pb, doc, dv_acc)
+            gemms.add_into(dsb, qc, dk_acc)
+        else:  # the last block sees every key the plan has (kend == its Nk)
+            write_dkv(gemms, pb, doc, dsb, qc, dk_acc, dv_acc)
+        gemms.mm_dq(dsb, kp, dqp[:, rs])
+
+
+def _write_dkv_into(dk_dst, dv_dst, slices):
+    """``write_dkv`` for :func:`_run_blocks` writing ``dst[i]`` from the rows ``slices[i]`` of L."""
+    def write(gemms, pb, doc, dsb, qc, dk_acc, dv_acc):
+        for ls, dk_out, dv_out in zip(slices, dk_dst, dv_dst):
+            if dk_acc is not None:
+                gemms.add_to(pb[ls], doc[ls], dv_acc[ls], dv_out)
+                gemms.add_to(dsb[ls], qc[ls], dk_acc[ls], dk_out)
+            else:
+                gemms.mm_kv(pb[ls], doc[ls], dv_out)
+                gemms.mm_kv(dsb[ls], qc[ls], dk_out)
+    return write
+
+
+def _default_gemms(gemms, q: Tensor) -> CoreGemms:
+    if gemms is None:
+        gemms = CoreGemms(q.dtype, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    return gemms
+
+
 def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                   softmax_scale: float, causal: bool, gemms=None, rows: int | None = None
                   ) -> tuple[Tensor, Tensor, Tensor]:
@@ -173,8 +231,7 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     Nk, Hkv = k.shape[1], k.shape[2]
     g, L = Hq // Hkv, B * Hkv
     dev, dt = q.device, q.dtype
-    if gemms is None:
-        gemms = CoreGemms(dt, torch.cuda.get_device_properties(dev).multi_processor_count)
+    gemms = _default_gemms(gemms, q)
     p = plan_mod.plan(B, Nq, Nk, Hq, causal, rows=rows)
     R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
     shift = Nk - Nq
@@ -195,50 +252,114 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         block_rows = g * R
     nkeys = Nk if keys_in_place else nk8  # K/V rows as passed; colpos has as many (one length)
     kp, vp = (_heads_rows(k), _heads_rows(v)) if keys_in_place else (_keys_to_blocks(k, nk8), _keys_to_blocks(v, nk8))
-    rowbias = _vec_to_blocks(torch.where(torch.isfinite(lse), lse * -LOG2E, -math.inf), Hkv, R, Np, -math.inf)
+    rowbias = _vec_to_blocks(_rowbias(lse), Hkv, R, Np, -math.inf)
     delta = _vec_to_blocks(_delta(dout, out), Hkv, R, Np, 0.0)
     pos = torch.arange(Np, device=dev, dtype=torch.float32) + shift
     rowpos = pos.view(1, C, R, 1).expand(L, C, R, g).reshape(L, C, R * g)
     rowbias, delta, rowpos = (x.view(L, C * g * R) for x in (rowbias, delta, rowpos))
     colpos = torch.arange(nk8, device=dev, dtype=torch.float32).expand(L, nk8).contiguous()[:, :nkeys]
-    if C > 1:  # fp32 accumulators of dk/dv over the blocks (one block writes dk/dv directly)
-        dk_acc = torch.zeros(L, Nk, D, device=dev, dtype=torch.float32)
-        dv_acc = torch.zeros_like(dk_acc)
-    n_scores = L * g * R * nk8
-    p_buf = torch.empty(n_scores, device=dev, dtype=dt)
-    ds_buf = torch.empty(n_scores, device=dev, dtype=dt)
-    p32_buf = torch.empty(n_scores, device=dev, dtype=torch.float32)
     dk = torch.empty(B, Nk, Hkv, D, device=dev, dtype=dt)
     dv = torch.empty_like(dk)
-    scale_log2 = softmax_scale * LOG2E
     assert p.blocks[-1][1] == Nk  # the last block's rows reach the last key (causal bottom-right too)
-    for c, (_, kend) in enumerate(p.blocks):
-        r0 = c * block_rows
-        rs = slice(r0, min(r0 + block_rows, qp.shape[1]))  # direct: the last block ends at Nq
-        m = rs.stop - r0
-        if kend <= 0:
-            dqp[:, rs].zero_()  # every row of the block is before the first key
-            continue
-        k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
-        view = lambda buf: buf[: L * m * k8].view(L, m, k8)[:, :, :kend]  # noqa: E731
-        pb, dsb, p32 = view(p_buf), view(ds_buf), view(p32_buf)
-        qc, doc = qp[:, rs], dop[:, rs]
-        # whole kp / vp / colpos / accumulators: the launchers use their first kend rows in place
-        gemms.probs(qc, kp, pb, p32, rowbias[:, rs], rowpos[:, rs], colpos, scale_log2, causal)
-        gemms.grad_scores(doc, vp, dsb, p32, delta[:, rs], softmax_scale)
-        if c < C - 1:
-            gemms.add_into(pb, doc, dv_acc)
-            gemms.add_into(dsb, qc, dk_acc)
-        else:  # the last block sees every key (kend == Nk): it writes dk/dv in their final layout
-            for b in range(B):
-                ls = slice(b * Hkv, (b + 1) * Hkv)
-                if C > 1:
-                    gemms.add_to(pb[ls], doc[ls], dv_acc[ls], _heads_rows(dv[b:b + 1]))
-                    gemms.add_to(dsb[ls], qc[ls], dk_acc[ls], _heads_rows(dk[b:b + 1]))
-                else:
-                    gemms.mm_kv(pb[ls], doc[ls], _heads_rows(dv[b:b + 1]))
-                    gemms.mm_kv(dsb[ls], qc[ls], _heads_rows(dk[b:b + 1]))
-        gemms.mm_dq(dsb, kp, dqp[:, rs])
+    # the last block writes dk/dv in their final [B, Nk, Hkv, D] layout, one batch entry at a time
+    slices = [slice(b * Hkv, (b + 1) * Hkv) for b in range(B)]
+    write = _write_dkv_into([_heads_rows(dk[b:b + 1]) for b in range(B)],
+                            [_heads_rows(dv[b:b + 1]) for b in range(B)], slices)
+    _run_blocks(gemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, block_rows, causal, softmax_scale,
+                write)
     if not direct:
         _blocks_to_rows(dqp.view(L, C, g * R, D), dq, R)
     return dq, dk, dv
+
+
+def _rowbias(lse: Tensor) -> Tensor:
+    """``−lse·log2e`` (the probabilities' exponent offset), ``-inf`` where lse is not finite."""
+    return torch.where(torch.isfinite(lse), lse * -LOG2E, -math.inf)
+
+
+def _group_rows(starts: Tensor, lengths: Tensor, pad: int) -> tuple[Tensor, Tensor]:
+    """Token index ``(G, pad)`` of row t of each document (``starts + min(t, len - 1)``: padding
+    repeats a real row, so every operand stays finite) and its validity ``t < len``."""
+    t = torch.arange(pad, device=starts.device)
+    valid = t[None] < lengths[:, None]
+    return starts[:, None] + torch.minimum(t[None], lengths[:, None] - 1), valid
+
+
+def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         seqlens_q, seqlens_k, *, softmax_scale: float, causal: bool, gemms=None,
+                         rows: int | None = None, groups=None) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed (varlen) backward: q/dout/out ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, lse fp32
+    ``[Hq, Tq]``; document i holds query rows ``sum(seqlens_q[:i]) + [0, seqlens_q[i])`` and keys
+    likewise (host ints; causal bottom-right within each document). Returns dq ``[Tq, Hq, D]``,
+    dk/dv ``[Tk, Hkv, D]`` (0 on rows and keys outside every document).
+
+    Documents run in :func:`xattn.core.gemm_bwd.varlen_groups` (``groups`` overrides them): each
+    group is gathered into the blocked layout of :func:`gemm_backward` (one ``index_select`` per
+    operand, padding rows masked by position and ``−inf`` row bias), runs the same blocks, and is
+    scattered back (padding goes to one spare row that is dropped)."""
+    Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[0], k.shape[1]
+    g = Hq // Hkv
+    dev, dt = q.device, q.dtype
+    gemms = _default_gemms(gemms, q)
+    seqlens_q, seqlens_k = [int(x) for x in seqlens_q], [int(x) for x in seqlens_k]
+    if groups is None:
+        groups = plan_mod.varlen_groups(seqlens_q, seqlens_k, Hq)
+    starts_q = [0] * len(seqlens_q)
+    starts_k = [0] * len(seqlens_k)
+    for i in range(1, len(seqlens_q)):
+        starts_q[i] = starts_q[i - 1] + seqlens_q[i - 1]
+        starts_k[i] = starts_k[i - 1] + seqlens_k[i - 1]
+    # flat row views; one spare (dump) row at the end of each output takes every padded row's write
+    q_rows, do_rows = q.reshape(Tq * Hq, D), dout.reshape(Tq * Hq, D)
+    k_rows, v_rows = k.reshape(Tk * Hkv, D), v.reshape(Tk * Hkv, D)
+    dq_rows = torch.zeros(Tq * Hq + 1, D, device=dev, dtype=dt)
+    dk_rows = torch.zeros(Tk * Hkv + 1, D, device=dev, dtype=dt)
+    dv_rows = torch.zeros_like(dk_rows)
+    rowbias_all = _rowbias(lse).reshape(Hq * Tq)
+    delta_all = _delta(dout[None], out[None])[0].reshape(Hq * Tq)  # [Hq, Tq]
+    host = dict(device=dev, dtype=torch.int64)
+    heads_q = torch.arange(Hq, device=dev).view(1, Hkv, 1, 1, g)  # (doc, kv, block, row, i) order
+    heads_k = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
+    for grp in groups:
+        G = len(grp.docs)
+        lq = torch.tensor([seqlens_q[i] for i in grp.docs], **host)
+        lk = torch.tensor([seqlens_k[i] for i in grp.docs], **host)
+        p = plan_mod.plan(G, grp.pad_q, grp.pad_k, Hq, causal, rows=rows, shift=grp.shift)
+        R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
+        L = G * Hkv
+        tok_q, valid_q = _group_rows(torch.tensor([starts_q[i] for i in grp.docs], **host), lq, Np)
+        tok_k, valid_k = _group_rows(torch.tensor([starts_k[i] for i in grp.docs], **host), lk, nk8)
+        # GEMM row (doc, kv, block c, row r, head i) <- flat row tok * Hq + kv * g + i
+        shape_q = (G, 1, C, R, 1)
+        src_q = (tok_q.view(shape_q) * Hq + heads_q).reshape(-1)
+        qp = q_rows.index_select(0, src_q).view(L, C * g * R, D)
+        dop = do_rows.index_select(0, src_q).view(L, C * g * R, D)
+        src_k = (tok_k.view(G, 1, nk8) * Hkv + heads_k).reshape(-1)
+        kp = k_rows.index_select(0, src_k).view(L, nk8, D)
+        vp = v_rows.index_select(0, src_k).view(L, nk8, D)
+        vec_valid = valid_q.view(shape_q).expand(G, Hkv, C, R, g).reshape(L, C * g * R)
+        src_vec = (heads_q * Tq + tok_q.view(shape_q)).reshape(L, C * g * R)  # lse/δ are [Hq, Tq]
+        rowbias = torch.where(vec_valid, rowbias_all[src_vec], -math.inf)
+        delta = torch.where(vec_valid, delta_all[src_vec], 0.0)
+        t = torch.arange(Np, device=dev, dtype=torch.float32)
+        if causal:  # row t of a document sees keys j <= t + nk - nq
+            pos = t[None] + (lk - lq)[:, None].float()
+        else:  # every real key: j <= nk - 1
+            pos = (lk - 1)[:, None].float().expand(G, Np)
+        rowpos = pos.view(shape_q).expand(G, Hkv, C, R, g).reshape(L, C * g * R)
+        colpos = torch.arange(nk8, device=dev, dtype=torch.float32).expand(L, nk8).contiguous()
+        dqp = torch.empty(L, C * g * R, D, device=dev, dtype=dt)
+        dkp = torch.empty(L, nk8, D, device=dev, dtype=dt)
+        dvp = torch.empty_like(dkp)
+        assert p.blocks[-1][1] == grp.pad_k
+        kend = grp.pad_k
+        write = _write_dkv_into([dkp[:, :kend]], [dvp[:, :kend]], [slice(None)])
+        _run_blocks(gemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, g * R,
+                    causal or grp.masked_keys, softmax_scale, write)
+        dst_q = torch.where(vec_valid.reshape(-1), src_q, Tq * Hq)
+        dq_rows.index_copy_(0, dst_q, dqp.view(-1, D))
+        dst_k = torch.where(valid_k.view(G, 1, nk8).expand(G, Hkv, nk8).reshape(-1), src_k, Tk * Hkv)
+        dk_rows.index_copy_(0, dst_k, dkp.view(-1, D))
+        dv_rows.index_copy_(0, dst_k, dvp.view(-1, D))
+    return (dq_rows[:-1].view(Tq, Hq, D), dk_rows[:-1].view(Tk, Hkv, D), dv_rows[:-1].view(Tk, Hkv, D))

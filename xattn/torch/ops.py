@@ -151,8 +151,11 @@ def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
     fills = spec.output_fill()
     no_rows = q.numel() == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
     no_keys = _no_keys(q, k, varlen)  # no launch either: dq is 0 (dk, dv are empty)
-    if not (no_rows or no_keys) and _bwd_route(spec, k, varlen).route == "gemm":
-        return _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal)
+    if not (no_rows or no_keys):
+        choice, lengths = _bwd_route(spec, k, cu_seqlens_q, cu_seqlens_k)
+        if choice.route == "gemm":
+            return _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths,
+                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows or no_keys else fills.get(n))
              for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
     if no_keys:
@@ -172,21 +175,36 @@ def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
     return tuple(grads)
 
 
-def _bwd_route(spec: xc.KernelSpec, k: Tensor, varlen: bool) -> _gemm_route.RouteChoice:
-    """The backward this problem gets (:func:`xattn.core.gemm_bwd.choose`); logged at debug level."""
+def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k):
+    """The backward this problem gets (:func:`xattn.core.gemm_bwd.choose`), logged at debug level, and
+    for a packed batch the document lengths it was chosen on (host ints: one device-to-host copy of
+    cu_seqlens, made only where the GEMM backward covers the problem), else None."""
+    window = (spec.window_left, spec.window_right)
+    lengths, keys = None, k.shape[1]
+    if cu_seqlens_q is not None:
+        keys = 0
+        if _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, window):
+            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            lengths = ([b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])])
+            keys = _gemm_route.keys_per_row(*lengths)
     choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
-                                (spec.window_left, spec.window_right), varlen, 0 if varlen else k.shape[1])
+                                window, cu_seqlens_q is not None, keys)
     _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
-    return choice
+    return choice, lengths
 
 
-def _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal):
+def _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths=None, varlen_args=(None,) * 4):
     """The chunked-GEMM backward (:mod:`xattn.torch.gemm_bwd`), after the core's input checks
-    (q, k, v stand in for the dq, dk, dv it allocates itself)."""
-    from .gemm_bwd import gemm_backward
+    (q, k, v stand in for the dq, dk, dv it allocates itself); a packed batch passes its (query, key)
+    document ``lengths`` and ``varlen_args`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    from .gemm_bwd import gemm_backward, gemm_backward_varlen
 
-    check_attention(family, "bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), causal)
-    return gemm_backward(dout, q, k, v, out, lse, softmax_scale=_check_scale(softmax_scale), causal=causal)
+    check_attention(family, "bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), causal,
+                    *varlen_args)
+    scale = _check_scale(softmax_scale)
+    if lengths is not None:
+        return gemm_backward_varlen(dout, q, k, v, out, lse, *lengths, softmax_scale=scale, causal=causal)
+    return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
 
 
 @torch.library.custom_op("xattn::bwd", mutates_args=())
