@@ -3,7 +3,7 @@
 MLP 21504, 32 query heads; sliding layers: 16 KV heads, d256, window 1024; full layers: 4 KV
 heads, d512, k == v; 5 sliding : 1 full, 6 layers, vocab 8192), B 1, bf16, no checkpointing.
 
-    python benchmarks/e2e_gemma4.py [--parts torch,jax] [--seqlens 8192,16384,32768] [--out FILE]
+    python benchmarks/e2e_gemma4.py [--parts torch,jax] [--seqlens 8192,16384,32768] [--packed] [--out FILE]
 
 torch (HF ``AutoModelForCausalLM``): ``ffpa`` (xattn: FFPA on full layers, FA4 on sliding ones),
 ``ffpa-flex`` (the seed's route: FFPA on full layers, FlexAttention on sliding ones,
@@ -11,6 +11,17 @@ torch (HF ``AutoModelForCausalLM``): ``ffpa`` (xattn: FFPA on full layers, FA4 o
 that passes q through: the step without attention, so ``attn_share = 1 - none / impl``).
 JAX (a Flax nnx stack of the same layers, :func:`build_jax_step`): ``xattn`` (xattn.jax),
 ``xla`` (``jax.nn.dot_product_attention(implementation="xla")``; cuDNN refuses d512), ``none``.
+
+``--packed`` (issue #23): one row of N tokens packed from documents of mixed lengths
+(:func:`benchmarks.packed.documents` ``mixNk``: log-uniform 64..8192, seeded). torch: restarting
+``position_ids`` plus ``cu_seq_lens_q/k`` and ``max_length_q/k`` as HF's packed FlashAttention
+interface passes them (sdpa and flex read the documents from the position_ids mask), impls ``ffpa``,
+``sdpa``, ``flex_attention``; JAX: ``xattn`` (``packed_attention`` with segment ids: FA4 with the
+window on sliding layers, FFPA on full ones) and ``xla`` (``jax.nn.dot_product_attention`` with the
+segment mask). ``--check`` (with ``--packed``): one process runs the same batch through ffpa, sdpa
+and flex_attention and reports the loss and the gradient differences vs sdpa (``grad_rel``:
+``||g - g_sdpa|| / ||g_sdpa||`` over all parameters, ``grad_rel_max``: the worst tensor), so ffpa's
+distance to sdpa reads against flex's (another exact implementation in bf16).
 
 Every (impl, N) runs in its own process (clean peak memory; an out-of-memory ends only that
 row). Rows: ``framework, impl, seqlen, step_s, tokens_per_s, peak_gib, speedup_vs_sdpa``
@@ -32,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 TORCH_IMPLS = ("ffpa", "ffpa-flex", "sdpa", "none")
+TORCH_PACKED_IMPLS = ("ffpa", "sdpa", "flex_attention", "none")
 JAX_IMPLS = ("xattn", "xla", "none")
 BASELINE = {"torch": "sdpa", "jax": "xla"}
 VOCAB = 8192
@@ -57,8 +69,34 @@ def _register_none() -> None:
     AttentionMaskInterface.register("none", lambda *args, **kwargs: None)
 
 
-def build_torch_step(impl: str, n: int):
-    """The train step of ``impl`` at N ``n`` (HF Gemma 4, CUDA, bf16): a closure running fwd + bwd."""
+def packed_documents(n: int) -> list[int]:
+    from benchmarks.packed import documents
+
+    return documents(f"mix{n // 1024}k")
+
+
+def torch_batch(n: int, packed: bool) -> dict:
+    """Model kwargs of the step's one row: ``input_ids`` (and for ``packed`` the documents' restarting
+    ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``) plus ``labels`` (next token, -100 at
+    each document's last token)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    ids = torch.randint(0, VOCAB, (1, n), device="cuda", generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    batch = dict(input_ids=ids, labels=labels)
+    if packed:
+        lens = packed_documents(n)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        labels[0, (cu[1:] - 1).long()] = -100
+        batch.update(position_ids=torch.cat([torch.arange(m, device="cuda") for m in lens])[None],
+                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    return batch
+
+
+def build_torch_step(impl: str, n: int, packed: bool = False):
+    """The train step of ``impl`` at N ``n`` (HF Gemma 4, CUDA, bf16): a closure running fwd + bwd
+    and returning the loss; ``packed``: documents in one row (:func:`torch_batch`)."""
     if impl == "ffpa-flex":
         os.environ["XATTN_SLIDING_BACKEND"] = "flex"
     import torch
@@ -75,22 +113,57 @@ def build_torch_step(impl: str, n: int):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(gemma4_31b_dims(DIMS["layers"], VOCAB), attn_implementation=attn,
                                                  dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(n)
-    ids = torch.randint(0, VOCAB, (1, n), device="cuda", generator=g)
-    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    batch = torch_batch(n, packed)
+    labels = batch.pop("labels")
 
     def step():
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, use_cache=False).logits
-        F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+        logits = model(**batch, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        return loss.detach()
 
+    step.model = model
     return step
 
 
-def torch_step(impl: str, n: int, iters: int) -> dict:
+def torch_check(n: int) -> dict:
+    """The packed batch through ffpa, sdpa and flex_attention on one model: losses and gradient
+    differences vs sdpa (see the module docstring)."""
     import torch
 
-    step = build_torch_step(impl, n)
+    step = build_torch_step("sdpa", n, packed=True)
+    model = step.model
+    runs = {}
+    for impl in ("sdpa", "ffpa", "flex_attention"):
+        model.set_attn_implementation(impl)
+        try:
+            loss = step().item()
+        except Exception as e:  # noqa: BLE001  (flex may refuse d512: the row says why)
+            runs[impl] = dict(status=f"error: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+        runs[impl] = dict(status="ok", loss=loss, grads=grads)
+    base = runs["sdpa"]["grads"]
+    out = {}
+    for impl, r in runs.items():
+        if r["status"] != "ok":
+            out[impl] = dict(status=r["status"])
+            continue
+        diff = sum((r["grads"][k].float() - g.float()).square().sum() for k, g in base.items()).sqrt()
+        norm = sum(g.float().square().sum() for g in base.values()).sqrt()
+        per = {k: ((r["grads"][k].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
+               for k, g in base.items()}
+        worst = max(per, key=per.get)
+        out[impl] = dict(status="ok", loss=round(r["loss"], 6), loss_diff=round(r["loss"] - runs["sdpa"]["loss"], 6),
+                         grad_rel=round((diff / norm).item(), 6), grad_rel_max=round(per[worst], 6), worst=worst)
+    return dict(check=out, device=torch.cuda.get_device_name())
+
+
+def torch_step(impl: str, n: int, iters: int, packed: bool = False) -> dict:
+    import torch
+
+    step = build_torch_step(impl, n, packed)
     torch.cuda.reset_peak_memory_stats()
     step()
     times = []
@@ -106,8 +179,10 @@ def torch_step(impl: str, n: int, iters: int) -> dict:
 
 # --- JAX: a Flax nnx stack of the same layers -------------------------------------------------------
 
-def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, batch: int = 1, dtype: str = "bfloat16"):
+def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, batch: int = 1, dtype: str = "bfloat16",
+                   packed: bool = False):
     """``(step, params, ids, labels)``: ``step(params, ids, labels) -> (loss, grads)``, jitted.
+    ``packed``: one row of :func:`packed_documents` (segment ids; positions restart per document).
 
     Each layer: RMSNorm -> q/k/v projections (full layers: v = k) -> q/k RMSNorm over the head dim
     -> RoPE -> attention (sliding: causal window ``dims["window"]`` keys; full: causal) -> output
@@ -123,10 +198,27 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
 
     dt = jnp.dtype(dtype)
     window = dims["window"]
+    segments = positions = None
+    num_docs = 0
+    if packed:
+        import numpy as np
+
+        lens = packed_documents(n)
+        num_docs = len(lens)
+        segments = jnp.asarray(np.repeat(np.arange(1, len(lens) + 1), lens)[None].repeat(batch, 0), jnp.int32)
+        positions = jnp.asarray(np.concatenate([np.arange(m) for m in lens]), jnp.float32)
 
     def attention(q, k, v, sliding):
         if impl == "none":
             return q
+        if packed and impl == "xattn":
+            family, win = ("fa4", (window - 1, 0)) if sliding else ("ffpa", (None, None))
+            return xj.packed_attention(q, k, v, segments, max_segments=num_docs + 1, family=family, scale=1.0,
+                                       causal=True, window_size=win)
+        if packed and impl == "xla":
+            mask = (segments[:, None, :, None] == segments[:, None, None, :])
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation="xla",
+                                                local_window_size=(window - 1, 0) if sliding else None)
         if impl == "xattn":
             if sliding:
                 return xj.flash_attention(q, k, v, scale=1.0, causal=True, window_size=(window - 1, 0))
@@ -139,7 +231,8 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
     def rope(x, theta):
         d = x.shape[-1]
         freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-        angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs[None]
+        pos = jnp.arange(x.shape[1], dtype=jnp.float32) if positions is None else positions
+        angles = pos[:, None] * freqs[None]
         cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
         x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -208,7 +301,7 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
     return jax.jit(jax.value_and_grad(loss_fn)), params, ids, labels
 
 
-def jax_step(impl: str, n: int, iters: int) -> dict:
+def jax_step(impl: str, n: int, iters: int, packed: bool = False) -> dict:
     # Preallocation off: XLA's BFC allocator then stops at 75% of the GPU (JAX's GPU memory docs), ~104 GiB
     # of the H200's 139, where torch's rows may use all of it; the 32k step needs ~115 GiB. So the JAX
     # children get 90% unless the caller chose a fraction (jax refuses the new and the old name together).
@@ -217,7 +310,7 @@ def jax_step(impl: str, n: int, iters: int) -> dict:
         os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.9"
     import jax
 
-    step, params, ids, labels = build_jax_step(impl, n)
+    step, params, ids, labels = build_jax_step(impl, n, packed=packed)
     jax.block_until_ready(step(params, ids, labels))
     times = []
     for _ in range(iters):
@@ -242,17 +335,23 @@ def _error_line(stderr: str) -> str:
     return (named or lines or ["?"])[-1]
 
 
-def measure(framework: str, impl: str, n: int, iters: int, timeout: float) -> dict:
-    """One (impl, N) in a child process; returns the row (status "ok", "oom" or "error: ...")."""
-    row = dict(framework=framework, impl=impl, seqlen=n, batch=1, layers=DIMS["layers"], iters=iters)
+def measure(framework: str, impl: str, n: int, iters: int, timeout: float, packed: bool = False) -> dict:
+    """One (impl, N) in a child process; returns the row (status "ok", "oom" or "error: ...");
+    ``impl == "check"``: the packed loss/gradient comparison (:func:`torch_check`)."""
+    row = dict(framework=framework, impl=impl, seqlen=n, batch=1, layers=DIMS["layers"], iters=iters, packed=packed)
+    if packed:
+        row["documents"] = len(packed_documents(n))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", framework, impl, str(n), str(iters)]
+    cmd += ["--packed"] if packed else []
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**row, "status": f"error: timeout after {timeout:.0f} s"}
     result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode == 0 and result:
+    if proc.returncode == 0 and result and impl == "check":
+        row.update(status="ok", **json.loads(result[-1][7:]))
+    elif proc.returncode == 0 and result:
         got = json.loads(result[-1][7:])
         row.update(status="ok", step_s=round(got["step_s"], 4), tokens_per_s=round(n / got["step_s"]),
                    peak_gib=round(got["peak_gib"], 1), device=got["device"])
@@ -264,15 +363,20 @@ def measure(framework: str, impl: str, n: int, iters: int, timeout: float) -> di
     return row
 
 
+def _key(r: dict) -> tuple:
+    return r["framework"], r["impl"], r["seqlen"], r.get("packed", False)
+
+
 def derive(rows: list[dict]) -> list[dict]:
     """Add ``speedup_vs_sdpa`` (vs the framework's baseline) and ``attn_share`` (1 - none / impl)."""
-    ok = {(r["framework"], r["impl"], r["seqlen"]): r for r in rows if r.get("status") == "ok"}
+    ok = {_key(r): r for r in rows if r.get("status") == "ok"}
     for r in rows:
-        if r.get("status") != "ok":
+        if r.get("status") != "ok" or r["impl"] == "check":
             continue
-        base = ok.get((r["framework"], BASELINE[r["framework"]], r["seqlen"]))
+        packed = r.get("packed", False)
+        base = ok.get((r["framework"], BASELINE[r["framework"]], r["seqlen"], packed))
         r["speedup_vs_sdpa"] = round(base["step_s"] / r["step_s"], 3) if base else None
-        free = ok.get((r["framework"], "none", r["seqlen"]))
+        free = ok.get((r["framework"], "none", r["seqlen"], packed))
         r["attn_share"] = round(1 - free["step_s"] / r["step_s"], 3) if free and r["impl"] != "none" else None
     return rows
 
@@ -281,12 +385,19 @@ def table(rows: list[dict]) -> str:
     lines = ["| framework | impl | N | step s | tokens/s | peak GiB | vs baseline | attention share |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        n = f"{r['seqlen']} packed ({r['documents']} docs)" if r.get("packed") else r["seqlen"]
+        if r["impl"] == "check" and r.get("status") == "ok":
+            for impl, c in r["check"].items():
+                got = (f"loss {c['loss']} ({c['loss_diff']:+.2e}), grads vs sdpa {c['grad_rel']:.2e} "
+                       f"(worst {c['grad_rel_max']:.2e})" if c["status"] == "ok" else c["status"])
+                lines.append(f"| {r['framework']} | check: {impl} | {n} | {got} | | | | |")
+            continue
         if r.get("status") != "ok":
-            lines.append(f"| {r['framework']} | {r['impl']} | {r['seqlen']} | {r['status']} | | | | |")
+            lines.append(f"| {r['framework']} | {r['impl']} | {n} | {r['status']} | | | | |")
             continue
         sp = r.get("speedup_vs_sdpa")
         share = r.get("attn_share")
-        lines.append(f"| {r['framework']} | {r['impl']} | {r['seqlen']} | {r['step_s']:.3f} | {r['tokens_per_s']} | "
+        lines.append(f"| {r['framework']} | {r['impl']} | {n} | {r['step_s']:.3f} | {r['tokens_per_s']} | "
                      f"{r['peak_gib']} | {'' if sp is None else f'{sp:.2f}x'} | "
                      f"{'' if share is None else f'{share:.0%}'} |")
     return "\n".join(lines)
@@ -300,11 +411,18 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per (impl, N) process")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--packed", action="store_true", help="one row packed from documents of mixed lengths")
+    ap.add_argument("--check", action="store_true", help="with --packed: loss and grads of ffpa/flex vs sdpa")
     ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.check and not args.packed:
+        ap.error("--check compares the packed batch: give --packed")
     if args.child:
         framework, impl, n, iters = args.child
-        got = (torch_step if framework == "torch" else jax_step)(impl, int(n), int(iters))
+        if impl == "check":
+            got = torch_check(int(n))
+        else:
+            got = (torch_step if framework == "torch" else jax_step)(impl, int(n), int(iters), args.packed)
         print("RESULT " + json.dumps(got), flush=True)
         return
     rows = []
@@ -312,11 +430,14 @@ def main(argv=None):
         rows = json.load(open(args.out)).get("rows", [])
     seqlens = [int(s) for s in args.seqlens.split(",")]
     for framework in args.parts.split(","):
-        impls = args.impls.split(",") if args.impls else (TORCH_IMPLS if framework == "torch" else JAX_IMPLS)
+        torch_impls = TORCH_PACKED_IMPLS if args.packed else TORCH_IMPLS
+        impls = args.impls.split(",") if args.impls else (torch_impls if framework == "torch" else JAX_IMPLS)
+        if args.check:
+            impls = ["check"] if framework == "torch" else []
         for n in seqlens:
             for impl in impls:
-                rows = [r for r in rows if (r["framework"], r["impl"], r["seqlen"]) != (framework, impl, n)]
-                rows.append(measure(framework, impl, n, args.iters, args.timeout))
+                rows = [r for r in rows if _key(r) != (framework, impl, n, args.packed)]
+                rows.append(measure(framework, impl, n, args.iters, args.timeout, args.packed))
                 log(json.dumps(rows[-1]))
                 rows = derive(rows)
                 if args.out:

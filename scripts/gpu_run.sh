@@ -13,6 +13,9 @@
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
 #   e2e-PART     benchmarks/e2e_gemma4.py --parts PART (torch or jax) -> $OUT/results/e2e_gemma4_h200.json, continuing
 #                benchmarks/results/e2e_gemma4_h200.json (E2E_SEQLENS, E2E_IMPLS narrow it)
+#   packed       benchmarks/packed.py (packed d512 fwd+bwd vs the same documents unpacked; PACKED_FRAMEWORKS,
+#                PACKED_DOCS) -> $OUT/results/packed_h200.json, continuing benchmarks/results/packed_h200.json
+#   e2e-packed-PART / e2e-check  benchmarks/e2e_gemma4.py --packed (--check: ffpa/flex loss and grads vs sdpa)
 #   bwd-routes   benchmarks/bwd_routes.py (d512 backward: FFPA vs chunked GEMM; BWD_SEQLENS, BWD_FRAMEWORKS, BWD_DTYPES,
 #                BWD_ROUTES, BWD_SHAPES) -> $OUT/results/bwd_routes_h200.json
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
@@ -57,6 +60,18 @@ for step in "$@"; do
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
     e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep -v Warning \
               | tee -a "$OUT/steps.log" | tail -70 ;;
+    packed) [ -f benchmarks/results/packed_h200.json ] && [ ! -f "$OUT/results/packed_h200.json" ] \
+              && cp benchmarks/results/packed_h200.json "$OUT/results/packed_h200.json"
+            timeout "$t" python benchmarks/packed.py --frameworks "${PACKED_FRAMEWORKS:-torch,jax}" \
+              ${PACKED_DOCS:+--docs "$PACKED_DOCS"} --out "$OUT/results/packed_h200.json" 2>&1 | grep -v Warning \
+              | tee -a "$OUT/steps.log" | tail -16 ;;
+    e2e-packed-*|e2e-check) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
+              && cp benchmarks/results/e2e_gemma4_h200.json "$OUT/results/e2e_gemma4_h200.json"
+            part=${step#e2e-packed-}; extra="--packed"
+            [ "$step" = e2e-check ] && part=torch && extra="--packed --check"
+            timeout "$t" python benchmarks/e2e_gemma4.py --parts "$part" --seqlens "${E2E_SEQLENS:-16384}" $extra \
+              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
+              | tee -a "$OUT/steps.log" | tail -16 ;;
     e2e-*) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
               && cp benchmarks/results/e2e_gemma4_h200.json "$OUT/results/e2e_gemma4_h200.json"
             timeout "$t" python benchmarks/e2e_gemma4.py --parts "${step#e2e-}" --seqlens "${E2E_SEQLENS:-8192,16384,32768}" \

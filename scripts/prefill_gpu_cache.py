@@ -57,6 +57,8 @@ def specs(recorded=None, fuzz=False):
     add("ffpa", 512, 512, 2, True, dtype="float16", directions=("fwd",))
     for causal in (False, True):  # benchmarks/full.py --part fp16 (Gemma 4 global layer, Hq 32 / Hkv 4)
         add("ffpa", 512, 512, 8, causal, dtype="float16")
+    for causal in (False, True):  # tests/torch/test_gemm_bwd_varlen_gpu.py: fp16 packed documents, GQA 4
+        add("ffpa", 512, 512, 4, causal, varlen=True, dtype="float16")
     from xattn.core.gemm_sm90 import KINDS, GemmSpec  # the chunked-GEMM d512 backward's launchers
 
     out += [GemmSpec(kind, dtype, d32) for dtype in ("bfloat16", "float16") for kind in KINDS

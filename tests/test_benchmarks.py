@@ -130,3 +130,17 @@ def test_bwd_routes_tables_pair_the_routes():
     torch_table, jax_table = markdown(rows), markdown_jax(rows)
     assert "| Hq32/Hkv4 causal | 8192 | bfloat16 | 230.0 | 370.0 | 275.0 | **404.8** | >= 400 | 3.2 |" in torch_table
     assert "| Hq32/Hkv4 causal | 8192 | bfloat16 | 283.5 | **441.8** | >= 400 |" in jax_table
+
+
+def test_packed_rows_and_table():
+    packed = _load("packed")
+    assert packed.documents("2048") == [2048] * 8 and packed.documents("16384") == [16384]
+    mix = packed.documents("mix64k")
+    assert sum(mix) == 65536 and all(1 <= n <= 8192 for n in mix) and len(set(mix)) > 10
+    assert mix == packed.documents("mix64k")  # seeded
+    with pytest.raises(ValueError, match="must divide"):
+        packed.documents("3000")
+    assert packed.causal_flops([2, 2]) == 2 * 4 * 32 * 4 * 512 * 0.5 * 3.5
+    r = packed.row("torch", "mix16k", [3, 5], 1e12, 2.0, 4.0, 1.8, "H200")
+    assert r["doc_len"] == "mix" and r["varlen_tflops"] == 500.0 and r["ratio"] == 0.9
+    assert "| torch | mix of 2 | 8 | **500.0** | 250.0 | 555.6 | 0.90 |" in packed.markdown([r])

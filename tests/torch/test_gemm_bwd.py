@@ -165,3 +165,19 @@ def test_varlen_groups_share_launches():
     assert numpy_gemm.CALLS.count("probs_causal") == 1
     for x, r in zip(got, want):
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
+
+
+@pytest.mark.parametrize("lens, route", [([2048] * 3, "gemm"), ([3000, 100, 5000], "gemm"), ([512] * 8, "ffpa")])
+def test_varlen_route_reads_document_lengths(monkeypatch, lens, route):
+    """A packed d512 batch routes by the keys an average row's document holds (GQA 8: GEMM from 2048)."""
+    import xattn.torch.ops as ops
+
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    t = sum(lens)
+    q, k = torch.empty(t, 8, 512, dtype=torch.bfloat16), torch.empty(t, 1, 512, dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    spec = ops._spec("bwd", "ffpa", q, k, k, True, -1, -1, True)
+    choice, lengths = ops._bwd_route(spec, k, cu, cu)
+    assert choice.route == route and lengths == (lens, lens)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")  # the forced FFPA route never reads cu_seqlens
+    assert ops._bwd_route(spec, k, cu, cu)[1] is None

@@ -48,6 +48,26 @@ def test_packed_gemma4_equals_documents_alone(route, dtype, families, caplog):
     gp.assert_no_worse(errs)
 
 
+@pytest.mark.parametrize("route", ["position_ids", "cu_seq_lens"])
+def test_packed_gemma4_on_the_gemm_backward(route, families, monkeypatch, caplog):
+    """The same packed batch with the full layer's backward on the chunked-GEMM route (its table
+    lowered so these short documents take it): per-document blocks, same accuracy as sdpa."""
+    from xattn.core import gemm_bwd as route_table
+    from xattn.torch import gemm_bwd
+
+    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
+    calls = []
+    real = gemm_bwd.gemm_backward_varlen
+    monkeypatch.setattr(gemm_bwd, "gemm_backward_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ids = _ids((1, sum(LENGTHS)))
+    errs = gp.compare(gp.packed_runs(ids, LENGTHS, route, "cuda"), gp.packed_runs(ids, LENGTHS, "position_ids", "cuda"),
+                      gp.alone_runs(ids, LENGTHS, "cuda"), "cuda", torch.bfloat16, sum(LENGTHS), **SIZES)
+    print(gp.summary(errs, f"packed ({route}, GEMM backward)"))
+    assert "ffpa fallback" not in caplog.text
+    assert calls == [1]  # the one full layer's backward
+    gp.assert_no_worse(errs)
+
+
 @pytest.mark.parametrize("backend", ["fa4", "flex"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_left_padded_gemma4_equals_rows_alone(dtype, backend, families, monkeypatch, caplog):

@@ -40,7 +40,8 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes", "route_table",
-           "env_route", "budget_bytes", "varlen_groups", "padded_length", "keys_per_row"]
+           "env_route", "budget_bytes", "varlen_groups", "padded_length", "keys_per_row",
+           "varlen_workspace_bytes"]
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
@@ -261,3 +262,24 @@ def varlen_groups(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None)
             masked = any(seqlens_k[i] < pk for i in part)
             groups.append(DocGroup(part, pq, pk, max(shift, pk - pq), masked))
     return groups
+
+
+def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, head_dim: int, causal: bool,
+                           budget: int | None = None, elem_bytes: int = 2) -> int:
+    """Upper bound of the scratch one packed backward allocates beyond its dq/dk/dv outputs (which
+    carry one spare row each): ``8·Hq·Tq`` (row bias and δ of every row) ``+``
+    :data:`DELTA_SLICE_BYTES`, plus the largest group's blocks: :func:`workspace_bytes` of its
+    padded batch (gathered q/dout/dq and K/V count as that bound's row and key copies), its
+    16-bit dK/dV before they are scattered ``4·elem·G·Hkv·Nk8·D`` more than the bound's K/V copies,
+    and the gather/scatter indices ``(8·3 + 2)·G·Hq·Nq_pad + (8·2 + 1)·G·Hkv·Nk8``."""
+    groups = varlen_groups(seqlens_q, seqlens_k, heads_q, budget)
+    per_row = 8 * heads_q * sum(seqlens_q) + DELTA_SLICE_BYTES
+    worst = 0
+    for grp in groups:
+        n = len(grp.docs)
+        p = plan(n, grp.pad_q, grp.pad_k, heads_q, causal, budget, shift=grp.shift)
+        blocks = workspace_bytes(n, grp.pad_q, grp.pad_k, heads_q, heads_kv, head_dim, causal, budget, elem_bytes)
+        keys = 4 * elem_bytes * n * heads_kv * p.keys_stride * head_dim
+        index = 26 * n * heads_q * p.padded_q + 17 * n * heads_kv * p.keys_stride
+        worst = max(worst, blocks - DELTA_SLICE_BYTES + keys + index)
+    return per_row + worst

@@ -1,0 +1,126 @@
+"""The GEMM backward of packed (varlen) d512 batches on the GPU vs fp64 and vs FFPA's varlen backward on
+the same out/lse (issue #23): documents of 0/1/17/1000/8192 tokens in one batch, Nq != Nk per document,
+GQA 1/4/8, causal and not; the default route through autograd; the memory bound."""
+
+import pytest
+import torch
+
+import xattn.torch as xt
+import xattn.torch.ops as ops
+from tests.reference import attention_bwd
+from xattn.torch import gemm_bwd
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 512 ** -0.5
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _packed(lens_q, lens_k, hq, hkv, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda t, h: torch.randn(t, h, 512, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    tq, tk = sum(lens_q), sum(lens_k)
+    return mk(tq, hq), mk(tk, hkv), mk(tk, hkv), mk(tq, hq)
+
+
+def _want(dout, q, k, v, out, lse, lens_q, lens_k, causal):
+    """fp64 gradients per document from the given out/lse (0 for documents without rows or keys)."""
+    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64, device="cuda") for x in (q, k, v))
+    sq = sk = 0
+    for nq, nk in zip(lens_q, lens_k):
+        if nq and nk:
+            rq, rk = slice(sq, sq + nq), slice(sk, sk + nk)
+            g = attention_bwd(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq],
+                              lse[None, :, rq], scale=SCALE, causal=causal)
+            dq[rq], dk[rk], dv[rk] = (x[0] for x in g)
+        sq, sk = sq + nq, sk + nk
+    return dq, dk, dv
+
+
+def _check(monkeypatch, lens_q, lens_k, hq, hkv, dtype, causal, seed):
+    q, k, v, dout = _packed(lens_q, lens_k, hq, hkv, dtype, seed)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    mq, mk = max(lens_q), max(lens_k)
+    out, lse = ops.fwd(q, k, v, "ffpa", SCALE, causal, -1, -1, cu_q, cu_k, mq, mk)
+    want = _want(dout, q, k, v, out, lse, lens_q, lens_k, causal)
+    args = (dout, q, k, v, out, lse, "ffpa", SCALE, causal, -1, -1, cu_q, cu_k, mq, mk)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
+    ffpa = ops.bwd(*args)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    calls = []
+    real = gemm_bwd.gemm_backward_varlen
+    monkeypatch.setattr(gemm_bwd, "gemm_backward_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = ops.bwd(*args)
+    assert calls == [1]
+    for name, x, f, r in zip(("dq", "dk", "dv"), got, ffpa, want):
+        assert x.shape == f.shape and x.dtype == dtype and x.is_contiguous(), name
+        assert torch.isfinite(x).all(), name
+        err, err_ffpa = (x.double() - r).abs().max().item(), (f.double() - r).abs().max().item()
+        assert err <= 1.5 * err_ffpa + 1e-3, (name, err, err_ffpa)
+
+
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_documents_0_1_17_1000_8192(monkeypatch, g, causal):
+    lens = [0, 1, 17, 1000, 8192, 300]
+    _check(monkeypatch, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=g * 2 + causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_queries_and_keys_differ_per_document(monkeypatch, dtype, causal):
+    """Bottom-right causal per document, a document without keys, and one with more queries than keys."""
+    lens_q, lens_k = [389, 77, 250, 1031, 5], [517, 0, 130, 1031, 64]
+    _check(monkeypatch, lens_q, lens_k, 8, 2, dtype, causal, seed=11 + causal)
+
+
+def test_many_short_documents_one_group(monkeypatch):
+    """Packed SFT data: hundreds of short documents share launches (and stay exact)."""
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(60, 130, (200,), generator=gen).tolist()
+    _check(monkeypatch, lens, lens, 8, 1, torch.bfloat16, True, seed=5)
+
+
+def test_default_route_through_autograd(monkeypatch):
+    """Gemma 4 global-layer heads (GQA 8, causal), documents past the table's threshold: xt.attention
+    with cu_seqlens takes the GEMM backward by default, gradients close to fp64."""
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    calls = []
+    real = gemm_bwd.gemm_backward_varlen
+    monkeypatch.setattr(gemm_bwd, "gemm_backward_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lens = [2100, 3000, 2500]
+    q, k, v, dout = _packed(lens, lens, 8, 1, torch.bfloat16, seed=9)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    cu = _cu(lens)
+    out = xt.attention(qg, kg, vg, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                       max_seqlen_k=max(lens))
+    out.backward(dout)
+    assert calls == [1]
+    ref_out, ref_lse = ops.fwd(q, k, v, "ffpa", SCALE, True, -1, -1, cu, cu, max(lens), max(lens))
+    want = _want(dout, q, k, v, ref_out, ref_lse, lens, lens, True)
+    for name, x, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), want):
+        assert (x.double() - r).norm() / r.norm() < 1e-2, name
+
+
+def test_varlen_memory_within_the_documented_bound(monkeypatch):
+    from xattn.core.gemm_bwd import varlen_workspace_bytes
+
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "64")
+    lens = [0, 17, 1000, 3000, 1500, 90]
+    q, k, v, dout = _packed(lens, lens, 8, 2, torch.bfloat16, seed=4)
+    cu = _cu(lens)
+    out, lse = ops.fwd(q, k, v, "ffpa", SCALE, True, -1, -1, cu, cu, max(lens), max(lens))
+    run = lambda: ops.bwd(dout, q, k, v, out, lse, "ffpa", SCALE, True, -1, -1, cu, cu, max(lens), max(lens))  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = run()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - sum(x.untyped_storage().nbytes() for x in grads)
+    bound = varlen_workspace_bytes(lens, lens, 8, 2, 512, True, budget=64 << 20)
+    assert 0 < extra <= bound, (extra, bound)
