@@ -18,6 +18,7 @@
 #   e2e-packed-PART / e2e-check  benchmarks/e2e_gemma4.py --packed (--check: ffpa/flex loss and grads vs sdpa)
 #   bwd-routes   benchmarks/bwd_routes.py (d512 backward: FFPA vs chunked GEMM; BWD_SEQLENS, BWD_FRAMEWORKS, BWD_DTYPES,
 #                BWD_ROUTES, BWD_SHAPES) -> $OUT/results/bwd_routes_h200.json
+#   packed-profile  benchmarks/tools/packed_profile.py (CUDA time per kernel, packed vs dense backward; PACKED_DOCS)
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   memory       benchmarks/memory_growth.py (1,000 mixed calls in one process) -> $OUT/results/memory_growth_h200.json
@@ -80,6 +81,8 @@ for step in "$@"; do
     bwd-routes) timeout "$t" python benchmarks/bwd_routes.py --seqlens "${BWD_SEQLENS:-8192,16384}" \
               --frameworks "${BWD_FRAMEWORKS:-torch,jax}" --dtypes "${BWD_DTYPES:-bfloat16,float16}" --routes "${BWD_ROUTES:-ffpa,gemm}" --shapes "${BWD_SHAPES:-32/4/causal,16/16/full,16/16/causal}" \
               --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
+    packed-profile) timeout "$t" python benchmarks/tools/packed_profile.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} 2>&1 \
+              | grep -v Warning | tee -a "$OUT/steps.log" | tail -120 ;;
     bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
     memory) timeout "$t" python benchmarks/memory_growth.py --out "$OUT/results/memory_growth_h200.json" 2>&1 \
               | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;

@@ -20,9 +20,21 @@ def _f(x):
     return np.from_dlpack(x).astype(np.float32)
 
 
+def _check_layouts(kind, args) -> None:
+    """What the compiled launchers refuse (TVM-FFI's argument checks): a tensor whose last stride is
+    not 1 (row vectors included: TMA needs a unit stride), and acc's C and D of different lengths."""
+    arrays = [np.from_dlpack(a) for a in args if hasattr(a, "__dlpack__")]
+    for n, x in enumerate(arrays):
+        if x.size and x.strides[-1] != x.itemsize:
+            raise ValueError(f"{kind}: tensor #{n} has last stride {x.strides[-1] // x.itemsize}, expected 1")
+    if kind == "acc" and arrays[2].shape[1] != arrays[3].shape[1]:
+        raise ValueError(f"{kind}: C has {arrays[2].shape[1]} rows, D {arrays[3].shape[1]}: expected to match")
+
+
 def make(spec: GemmSpec):
     def launcher(*args):
         CALLS.append(spec.kind)
+        _check_layouts(spec.kind, args)
         if spec.kind == "probs_causal":
             a, b, rowbias, rowpos, colpos, d, p32, scale_log2, _ = args
             n = d.shape[2]

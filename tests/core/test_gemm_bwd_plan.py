@@ -87,22 +87,32 @@ def test_info_lists_the_route_table():
     assert any("GQA group >= 8" in x for x in lines) and any("XATTN_BWD_ROUTE" in x for x in lines)
 
 
-def test_padded_lengths_stay_within_an_eighth():
-    assert [gb.padded_length(n) for n in (0, 1, 64, 65, 512, 513, 1000, 2048, 2049, 8192)] == \
-        [0, 64, 64, 128, 512, 576, 1024, 2048, 2304, 8192]
-    for n in range(513, 20000, 37):
-        assert n <= gb.padded_length(n) <= n * 1.125
-
-
-def test_varlen_groups_by_padded_length():
-    lens = [0, 1, 17, 1000, 8192, 2048, 2048, 60]
+def test_varlen_groups_by_length():
+    lens = [0, 1, 17, 1000, 8192, 2048, 2000, 60, 900, 880]
     groups = gb.varlen_groups(lens, lens, 32)
-    assert [(grp.docs, grp.pad_q) for grp in groups] == [((4,), 8192), ((5, 6), 2048), ((3,), 1024), ((1, 2, 7), 64)]
-    assert [grp.masked_keys for grp in groups] == [False, False, True, True]
+    assert [(grp.docs, grp.pad_q) for grp in groups] == [((4,), 8192), ((5, 6), 2048), ((3, 8, 9), 1024),
+                                                         ((7, 2, 1), 64)]
+    assert [grp.masked_keys for grp in groups] == [False, True, True, True]
     assert all(grp.shift == 0 for grp in groups)
     # a document without keys or rows is in no group; q/k lengths differ: the largest nk - nq
-    groups = gb.varlen_groups([10, 0, 30, 5], [40, 9, 0, 60], 4)
-    assert [(grp.docs, grp.pad_q, grp.pad_k, grp.shift) for grp in groups] == [((0, 3), 64, 64, 55)]
+    groups = gb.varlen_groups([10, 0, 30, 9], [40, 9, 0, 37], 4)
+    assert [(grp.docs, grp.pad_q, grp.pad_k, grp.shift) for grp in groups] == [((0, 3), 64, 64, 30)]
+
+
+def test_varlen_groups_pad_little():
+    """Every document's padded work (pad_q * pad_k) stays within ~1/(fill^2) of its own, and
+    every document is in exactly one group."""
+    import random
+
+    rng = random.Random(1)
+    lens = [int(2 ** rng.uniform(6, 13)) for _ in range(300)]
+    groups = gb.varlen_groups(lens, lens, 32)
+    assert sorted(i for grp in groups for i in grp.docs) == list(range(300))
+    for grp in groups:
+        for i in grp.docs:
+            assert lens[i] <= grp.pad_q <= max(gb._align(int(lens[i] / gb.GROUP_FILL) + 1, gb.GROUP_ALIGN),
+                                               gb._align(lens[i], gb.GROUP_ALIGN))
+    assert len(groups) < 60
 
 
 def test_varlen_groups_split_at_the_budget():

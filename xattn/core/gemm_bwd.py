@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes", "route_table",
-           "env_route", "budget_bytes", "varlen_groups", "padded_length", "keys_per_row",
+           "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
            "varlen_workspace_bytes"]
 
 ROUTES = ("auto", "ffpa", "gemm")
@@ -207,16 +207,8 @@ def workspace_bytes(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, head
 
 # --- packed (varlen) problems: documents grouped by padded length ------------------------------
 
-PAD_STEP_MIN = 64  # documents up to 512 tokens pad to a multiple of 64, longer ones to 1/8 of their octave
-
-
-def padded_length(n: int) -> int:
-    """The length a document of ``n`` tokens is padded to in its group: a multiple of 64 up to 512,
-    beyond that of ``2**floor(log2 n) / 8`` (at most 12.5 % padding; 2048 stays 2048)."""
-    if n <= 0:
-        return 0
-    step = max(PAD_STEP_MIN, (1 << (n.bit_length() - 1)) // 8)
-    return _align(n, step)
+GROUP_ALIGN = 64  # a group's padded lengths: its longest document's, rounded up to a multiple of this
+GROUP_FILL = 0.875  # a document joins a group when both its lengths are >= this share of the group's first
 
 
 def keys_per_row(seqlens_q, seqlens_k) -> int:
@@ -240,27 +232,42 @@ class DocGroup:
 
 
 def varlen_groups(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None) -> list[DocGroup]:
-    """Documents with the same padded (query, key) lengths, largest first; documents without
-    query rows or without keys are left out (their gradients are 0). A group is split where one
-    block of ``MIN_BLOCK_ROWS`` rows of all its documents would pass the ``budget``."""
+    """Documents run as dense batches, longest first: a group takes documents (by decreasing length)
+    while both of their lengths are at least :data:`GROUP_FILL` of its first document's or round
+    up to the same multiple of :data:`GROUP_ALIGN` (so the padding costs at most ~1/4 of a
+    document's work beyond that alignment, typically far less), padded to the first
+    document's lengths rounded up to :data:`GROUP_ALIGN`. Documents without query rows or without
+    keys are left out (their gradients are 0). A group also ends where one block of
+    :data:`MIN_BLOCK_ROWS` rows of all its documents would pass the ``budget``."""
     budget = budget_bytes() if budget is None else budget
     if len(seqlens_q) != len(seqlens_k):
         raise ValueError(f"{len(seqlens_q)} query lengths but {len(seqlens_k)} key lengths")
-    by_pad: dict = {}
     for i, (nq, nk) in enumerate(zip(seqlens_q, seqlens_k)):
         if nq < 0 or nk < 0:
             raise ValueError(f"document {i}: negative length ({nq} queries, {nk} keys)")
-        if nq and nk:
-            by_pad.setdefault((padded_length(nq), padded_length(nk)), []).append(i)
-    groups = []
-    for (pq, pk), docs in sorted(by_pad.items(), key=lambda kv: (-kv[0][0] * kv[0][1], kv[0])):
-        per_doc = BYTES_PER_SCORE * heads_q * MIN_BLOCK_ROWS * _align(pk, ROW_ALIGN)
-        step = max(1, budget // per_doc)
-        for s in range(0, len(docs), step):
-            part = tuple(docs[s:s + step])
-            shift = max(seqlens_k[i] - seqlens_q[i] for i in part)
-            masked = any(seqlens_k[i] < pk for i in part)
-            groups.append(DocGroup(part, pq, pk, max(shift, pk - pq), masked))
+    order = sorted((i for i, (nq, nk) in enumerate(zip(seqlens_q, seqlens_k)) if nq and nk),
+                   key=lambda i: (-max(seqlens_q[i], seqlens_k[i]), -seqlens_q[i], i))
+    groups, part = [], []
+
+    def close():
+        first = part[0]
+        pq, pk = _align(seqlens_q[first], GROUP_ALIGN), _align(seqlens_k[first], GROUP_ALIGN)
+        shift = max(seqlens_k[i] - seqlens_q[i] for i in part)
+        masked = any(seqlens_k[i] < pk for i in part)
+        groups.append(DocGroup(tuple(part), pq, pk, max(shift, pk - pq), masked))
+
+    for i in order:
+        if part:
+            first = part[0]
+            fits = all(n <= top and (n >= GROUP_FILL * top or _align(n, GROUP_ALIGN) == _align(top, GROUP_ALIGN))
+                       for n, top in ((seqlens_q[i], seqlens_q[first]), (seqlens_k[i], seqlens_k[first])))
+            per_doc = BYTES_PER_SCORE * heads_q * MIN_BLOCK_ROWS * _align(seqlens_k[first], GROUP_ALIGN)
+            if not fits or (len(part) + 1) * per_doc > budget:
+                close()
+                part = []
+        part.append(i)
+    if part:
+        close()
     return groups
 
 

@@ -170,7 +170,7 @@ def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, co
     C, nk8 = p.num_blocks, p.keys_stride
     dk_acc = dv_acc = None
     if C > 1:  # fp32 accumulators of dk/dv over the blocks (one block writes dk/dv directly)
-        dk_acc = torch.zeros(L, kp.shape[1], D, device=dev, dtype=torch.float32)
+        dk_acc = torch.zeros(L, p.blocks[-1][1], D, device=dev, dtype=torch.float32)  # as many rows as dk/dv
         dv_acc = torch.zeros_like(dk_acc)
     n_scores = L * block_rows * nk8
     p_buf = torch.empty(n_scores, device=dev, dtype=dt)
@@ -347,7 +347,7 @@ def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
             pos = t[None] + (lk - lq)[:, None].float()
         else:  # every real key: j <= nk - 1
             pos = (lk - 1)[:, None].float().expand(G, Np)
-        rowpos = pos.view(shape_q).expand(G, Hkv, C, R, g).reshape(L, C * g * R)
+        rowpos = pos.view(shape_q).expand(G, Hkv, C, R, g).reshape(L, C * g * R).contiguous()  # TMA: unit stride
         colpos = torch.arange(nk8, device=dev, dtype=torch.float32).expand(L, nk8).contiguous()
         dqp = torch.empty(L, C * g * R, D, device=dev, dtype=dt)
         dkp = torch.empty(L, nk8, D, device=dev, dtype=dt)
