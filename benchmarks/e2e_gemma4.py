@@ -18,10 +18,10 @@ JAX (a Flax nnx stack of the same layers, :func:`build_jax_step`): ``xattn`` (xa
 interface passes them (sdpa and flex read the documents from the position_ids mask), impls ``ffpa``,
 ``sdpa``, ``flex_attention``; JAX: ``xattn`` (``packed_attention`` with segment ids: FA4 with the
 window on sliding layers, FFPA on full ones) and ``xla`` (``jax.nn.dot_product_attention`` with the
-segment mask). ``--check`` (with ``--packed``): one process runs the same batch through ffpa, sdpa
-and flex_attention and reports the loss and the gradient differences vs sdpa (``grad_rel``:
-``||g - g_sdpa|| / ||g_sdpa||`` over all parameters, ``grad_rel_max``: the worst tensor), so ffpa's
-distance to sdpa reads against flex's (another exact implementation in bf16).
+segment mask). ``--check`` (with ``--packed``): one process runs the same batch through sdpa and
+ffpa, and sdpa again on the documents in reverse order (equal in exact arithmetic: that distance is
+bf16 noise), and reports the loss and gradient differences vs sdpa (``grad_rel``:
+``||g - g_sdpa|| / ||g_sdpa||`` over all parameters, ``grad_rel_max``: the worst tensor).
 
 Every (impl, N) runs in its own process (clean peak memory; an out-of-memory ends only that
 row). Rows: ``framework, impl, seqlen, step_s, tokens_per_s, peak_gib, speedup_vs_sdpa``
@@ -75,10 +75,11 @@ def packed_documents(n: int) -> list[int]:
     return documents(f"mix{n // 1024}k")
 
 
-def torch_batch(n: int, packed: bool) -> dict:
+def torch_batch(n: int, packed: bool, reverse: bool = False) -> dict:
     """Model kwargs of the step's one row: ``input_ids`` (and for ``packed`` the documents' restarting
     ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``) plus ``labels`` (next token, -100 at
-    each document's last token)."""
+    each document's last token). ``reverse``: the same documents in the opposite order (the same
+    loss and gradients in exact arithmetic; only the rounding differs)."""
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -89,12 +90,17 @@ def torch_batch(n: int, packed: bool) -> dict:
         lens = packed_documents(n)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         labels[0, (cu[1:] - 1).long()] = -100
-        batch.update(position_ids=torch.cat([torch.arange(m, device="cuda") for m in lens])[None],
+        if reverse:
+            pieces = [(ids[:, a:b], labels[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())][::-1]
+            ids, labels, lens = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1), lens[::-1]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        batch = dict(input_ids=ids, labels=labels,
+                     position_ids=torch.cat([torch.arange(m, device="cuda") for m in lens])[None],
                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     return batch
 
 
-def build_torch_step(impl: str, n: int, packed: bool = False):
+def build_torch_step(impl: str, n: int, packed: bool = False, reverse: bool = False):
     """The train step of ``impl`` at N ``n`` (HF Gemma 4, CUDA, bf16): a closure running fwd + bwd
     and returning the loss; ``packed``: documents in one row (:func:`torch_batch`)."""
     if impl == "ffpa-flex":
@@ -113,7 +119,7 @@ def build_torch_step(impl: str, n: int, packed: bool = False):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(gemma4_31b_dims(DIMS["layers"], VOCAB), attn_implementation=attn,
                                                  dtype=torch.bfloat16)
-    batch = torch_batch(n, packed)
+    batch = torch_batch(n, packed, reverse)
     labels = batch.pop("labels")
 
     def step():
@@ -123,41 +129,47 @@ def build_torch_step(impl: str, n: int, packed: bool = False):
         loss.backward()
         return loss.detach()
 
-    step.model = model
+    step.model, step.batch, step.labels = model, batch, labels
     return step
 
 
 def torch_check(n: int) -> dict:
-    """The packed batch through ffpa, sdpa and flex_attention on one model: losses and gradient
-    differences vs sdpa (see the module docstring)."""
+    """The packed batch through sdpa and ffpa on one model, plus sdpa on the documents in reverse
+    order (the bf16 noise yardstick): losses and gradient differences vs sdpa."""
     import torch
 
     step = build_torch_step("sdpa", n, packed=True)
     model = step.model
+    reverse = torch_batch(n, True, reverse=True)
     runs = {}
-    for impl in ("sdpa", "ffpa", "flex_attention"):
+    for name, impl, batch in (("sdpa", "sdpa", None), ("sdpa, documents reversed", "sdpa", reverse),
+                              ("ffpa", "ffpa", None)):
         model.set_attn_implementation(impl)
-        try:
-            loss = step().item()
-        except Exception as e:  # noqa: BLE001  (flex may refuse d512: the row says why)
-            runs[impl] = dict(status=f"error: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-        runs[impl] = dict(status="ok", loss=loss, grads=grads)
+        if batch is not None:
+            saved = dict(step.batch), step.labels.clone()
+            step.batch.clear()
+            step.batch.update({k: v for k, v in batch.items() if k != "labels"})
+            step.labels.copy_(batch["labels"])
+        loss = step().item()
+        if batch is not None:
+            step.batch.clear()
+            step.batch.update(saved[0])
+            step.labels.copy_(saved[1])
+        runs[name] = dict(loss=loss, grads={k: p.grad.detach().clone() for k, p in model.named_parameters()
+                                            if p.grad is not None})
     base = runs["sdpa"]["grads"]
+    norm = sum(g.float().square().sum() for g in base.values()).sqrt()
     out = {}
-    for impl, r in runs.items():
-        if r["status"] != "ok":
-            out[impl] = dict(status=r["status"])
+    for name, r in runs.items():
+        if name == "sdpa":
             continue
         diff = sum((r["grads"][k].float() - g.float()).square().sum() for k, g in base.items()).sqrt()
-        norm = sum(g.float().square().sum() for g in base.values()).sqrt()
         per = {k: ((r["grads"][k].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
                for k, g in base.items()}
         worst = max(per, key=per.get)
-        out[impl] = dict(status="ok", loss=round(r["loss"], 6), loss_diff=round(r["loss"] - runs["sdpa"]["loss"], 6),
+        out[name] = dict(status="ok", loss=round(r["loss"], 6), loss_diff=round(r["loss"] - runs["sdpa"]["loss"], 6),
                          grad_rel=round((diff / norm).item(), 6), grad_rel_max=round(per[worst], 6), worst=worst)
-    return dict(check=out, device=torch.cuda.get_device_name())
+    return dict(check=out, sdpa_loss=round(runs["sdpa"]["loss"], 6), device=torch.cuda.get_device_name())
 
 
 def torch_step(impl: str, n: int, iters: int, packed: bool = False) -> dict:
