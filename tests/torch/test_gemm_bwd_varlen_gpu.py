@@ -103,6 +103,28 @@ def test_no_host_sync_inside_the_driver():
         assert (x.double() - r).norm() / r.norm() < 1e-2, name
 
 
+def test_autograd_backward_reads_the_forwards_copy_of_cu_seqlens():
+    """Through autograd the forward starts an asynchronous copy of cu_seqlens, so the packed backward
+    never waits for the GPU (a sync per full layer would stall training)."""
+    lens = [2100, 3000, 17]
+    q, k, v, dout = _packed(lens, lens, 8, 1, torch.bfloat16, seed=6)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    cu = _cu(lens)
+    kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    xt.attention(qg, kg, vg, **kw).backward(dout)  # warm
+    grads = [x.grad.clone() for x in (qg, kg, vg)]
+    for x in (qg, kg, vg):
+        x.grad = None
+    out = xt.attention(qg, kg, vg, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out.backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(x.grad, g) for x, g in zip((qg, kg, vg), grads))
+
+
 def test_default_route_through_autograd(monkeypatch):
     """Gemma 4 global-layer heads (GQA 8, causal), documents past the table's threshold: xt.attention
     with cu_seqlens takes the GEMM backward by default, gradients close to fp64."""

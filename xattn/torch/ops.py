@@ -141,8 +141,39 @@ def _alert_not_deterministic(op: str) -> None:
     alert_not_deterministic(op)
 
 
+class _LengthsCopy:
+    """An asynchronous copy of cu_seqlens_q/k to pinned host memory, started by the forward so that
+    the backward reads the document lengths without waiting for the GPU (:func:`_bwd_route`)."""
+
+    def __init__(self, cu_q: Tensor, cu_k: Tensor):
+        self._host = [torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True) for cu in (cu_q, cu_k)]
+        for host, cu in zip(self._host, (cu_q, cu_k)):
+            host.copy_(cu, non_blocking=True)
+        self._versions = (cu_q._version, cu_k._version)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def lengths(self, cu_q: Tensor, cu_k: Tensor):
+        """The (query, key) document lengths, or None when cu_seqlens were written since the copy."""
+        if (cu_q._version, cu_k._version) != self._versions:
+            return None
+        self._done.synchronize()  # long done by the time a backward runs
+        cq, ck = (h.tolist() for h in self._host)
+        return [b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])]
+
+
+def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
+    """Start :class:`_LengthsCopy` where the backward may take the GEMM route (FFPA head dims, CUDA)."""
+    family, q, v, window = spec_args
+    if cu_q is None or not cu_q.is_cuda or family != "ffpa":
+        return None
+    if not _gemm_route.covers(family, q.shape[-1], v.shape[-1], window):
+        return None
+    return _LengthsCopy(cu_q, cu_k)
+
+
 def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
-              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefetched=None):
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
     spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
@@ -152,7 +183,7 @@ def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
     no_rows = q.numel() == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
     no_keys = _no_keys(q, k, varlen)  # no launch either: dq is 0 (dk, dv are empty)
     if not (no_rows or no_keys):
-        choice, lengths = _bwd_route(spec, k, cu_seqlens_q, cu_seqlens_k)
+        choice, lengths = _bwd_route(spec, k, cu_seqlens_q, cu_seqlens_k, prefetched)
         if choice.route == "gemm":
             return _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths,
                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -175,17 +206,20 @@ def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
     return tuple(grads)
 
 
-def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k):
+def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefetched=None):
     """The backward this problem gets (:func:`xattn.core.gemm_bwd.choose`), logged at debug level, and
-    for a packed batch the document lengths it was chosen on (host ints: one device-to-host copy of
-    cu_seqlens, made only where the GEMM backward covers the problem), else None."""
+    for a packed batch the document lengths it was chosen on (host ints, read only where the GEMM
+    backward covers the problem: from the forward's ``prefetched`` copy, else one device-to-host copy
+    of cu_seqlens, which waits for the GPU), else None."""
     window = (spec.window_left, spec.window_right)
     lengths, keys = None, k.shape[1]
     if cu_seqlens_q is not None:
         keys = 0
         if _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, window):
-            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-            lengths = ([b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])])
+            lengths = prefetched.lengths(cu_seqlens_q, cu_seqlens_k) if prefetched is not None else None
+            if lengths is None:
+                cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+                lengths = ([b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])])
             keys = _gemm_route.keys_per_row(*lengths)
     choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
                                 window, cu_seqlens_q is not None, keys)
@@ -252,6 +286,8 @@ class _EagerAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.params = params
+        ctx.lengths = _prefetch_lengths((family, q, v, (None if wl < 0 else wl, None if wr < 0 else wr)), cu_q, cu_k) \
+            if any(ctx.needs_input_grad[:3]) else None
         return out, lse
 
     @staticmethod
@@ -260,7 +296,7 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         family, scale, causal, wl, wr, max_q, max_k = ctx.params
         grads = _bwd_impl(dout.contiguous(), q, k, v, out, lse, family, scale, causal, wl, wr, cu_q, cu_k,
-                          max_q, max_k)
+                          max_q, max_k, ctx.lengths)
         return (*grads, None, None, None)
 
 
