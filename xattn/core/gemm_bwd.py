@@ -143,6 +143,8 @@ def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, c
 def route_table() -> list[str]:
     """Human-readable lines of the route table, for ``python -m xattn info``."""
     lines = [f"GQA group >= {g}: GEMM backward from Nk {n}" for g, n in MIN_KEYS_BY_GROUP]
+    lines.append("packed (varlen): the same table on the keys an average row's document holds; documents "
+                 f"grouped within {GROUP_FILL:g} of a group's first length, padded to {GROUP_ALIGN}")
     lines.append(f"XATTN_BWD_ROUTE={env_route()}, block budget {budget_bytes() >> 20} MiB")
     return lines
 
