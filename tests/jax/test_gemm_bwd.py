@@ -105,3 +105,96 @@ def test_blocks_pass_whole_keys_and_accumulators(standin):
     for e in keyed:
         shapes = [tuple(x.aval.shape) for x in e.invars]
         assert any(s[1] == nk8 for s in shapes if len(s) == 3 and s[-1] == 32), (e.params["target_name"], shapes)
+
+
+def _packed(lens, hq, hkv, d, seed):
+    rng = np.random.default_rng(seed)
+    t = sum(lens)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)  # noqa: E731
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    return mk(t, hq, d), mk(t, hkv, d), mk(t, hkv, d), mk(t, hq, d), cu
+
+
+@pytest.mark.parametrize("lens, max_len, causal", [
+    ([64, 64, 64], 64, True),            # equal documents: the padded batch is exact
+    ([70, 0, 17, 1, 70], 70, True),      # empty, 1-token and short documents padded to max_seqlen
+    ([50, 33, 64], 64, False),           # not causal: padded keys masked by position
+])
+def test_padded_packed_driver_vs_fp64(standin, lens, max_len, causal):
+    """The static-shape packed route (documents padded to max_seqlen, traced lengths) under jit vs fp64."""
+    from xattn.jax.reference import varlen_visible
+
+    d, hq, hkv = 32, 4, 2
+    q, k, v, dout, cu = _packed(lens, hq, hkv, d, seed=sum(lens))
+    scale = d ** -0.5
+    t = q.shape[0]
+    mask = varlen_visible(cu, cu, t, t, causal, (None, None))
+    f32 = lambda x: x.astype(jnp.float32)[None]  # noqa: E731
+    out, lse = attention_reference(f32(q), f32(k), f32(v), scale=scale, mask=mask)
+    want = attention_reference_bwd(f32(dout), f32(q), f32(k), f32(v), out, lse, scale=scale, mask=mask)
+    got = jax.jit(lambda *a: gb.gemm_backward_padded(*a, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                                                     softmax_scale=scale, causal=causal))(
+        dout, q, k, v, out[0].astype(q.dtype), lse[0], cu, cu)
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert x.shape == r.shape[1:] and x.dtype == q.dtype, name
+        err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r[0])))
+        assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r)))), (name, err)
+
+
+def test_packed_route_is_static(standin, caplog, monkeypatch):
+    """Through xattn.jax.varlen_attention: documents about max_seqlen long with one cu_seqlens take the
+    padded GEMM route; different cu_seqlens objects (causal) or a loose max_seqlen keep FFPA's."""
+    import logging
+
+    from xattn.core import gemm_bwd as route_table
+    from xattn.jax import varlen as jv
+
+    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    calls = []
+    real = gb.gemm_backward_padded
+    monkeypatch.setattr(gb, "gemm_backward_padded", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, dout, cu = (x.astype(jnp.float16) for x in _packed([64, 64], 2, 1, 512, seed=1))
+    cfg = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)
+    spec = cfg.base.spec("bwd", q, k, v, varlen=True)
+    import dataclasses
+
+    same = dataclasses.replace(cfg, same_segments=True)
+    with caplog.at_level(logging.DEBUG, logger="xattn"):
+        assert jv._padded_gemm_route(same, spec, q, k, cu)
+        assert not jv._padded_gemm_route(cfg, spec, q, k, cu)  # causal, cu_seqlens_q is not cu_seqlens_k
+        loose = dataclasses.replace(same, max_seqlen_q=128, max_seqlen_k=128)
+        assert not jv._padded_gemm_route(loose, spec, q, k, cu)
+    assert "needs cu_seqlens_q is cu_seqlens_k" in caplog.text and "would cost more" in caplog.text
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    forced = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)
+    with pytest.raises(ValueError, match="XATTN_BWD_ROUTE=gemm"):
+        jv._padded_gemm_route(forced, spec, q, k, cu)
+
+
+def test_varlen_attention_grads_on_the_padded_route(standin, monkeypatch):
+    """jax.grad through xattn.jax.varlen_attention (kernel backend, stand-ins): the padded GEMM route is
+    taken and its gradients match FFPA's varlen backward route's."""
+    from xattn.core import gemm_bwd as route_table
+    import xattn.jax as xj
+
+    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
+    calls = []
+    real = gb.gemm_backward_padded
+    monkeypatch.setattr(gb, "gemm_backward_padded", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, dout, cu = _packed([64, 61, 64], 2, 1, 512, seed=4)
+
+    def grads():
+        loss = lambda q, k, v: (xj.varlen_attention(q, k, v, cu, cu, max_seqlen_q=64, max_seqlen_k=64, causal=True,  # noqa: E731
+                                                    backend="kernel").astype(jnp.float32) * dout).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    got = grads()
+    assert calls == [1]
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
+    want = grads()
+    assert calls == [1]
+    for x, r in zip(got, want):
+        err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r.astype(jnp.float32))))
+        assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r.astype(jnp.float32))))), err

@@ -22,7 +22,7 @@ from xattn.core.gemm_sm90 import GemmSpec, max_active_clusters
 
 from . import _ffi
 
-__all__ = ["gemm_backward"]
+__all__ = ["gemm_backward", "gemm_backward_padded"]
 
 LOG2E = 1.4426950408889634
 _DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
@@ -80,10 +80,13 @@ def _check_buffers(dout, q, out, lse) -> None:
 
 
 def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, rows: int | None = None,
-                  budget: int | None = None):
+                  budget: int | None = None, positions=None):
     """dq ``[B, Nq, Hq, D]``, dk/dv ``[B, Nk, Hkv, D]`` from the given out/lse (lse fp32
     ``[B, Hq, Nq]``); causal is bottom-right aligned. ``rows`` overrides the block rows that
-    ``budget`` (bytes; default ``XATTN_GEMM_BWD_BUDGET_MIB``) gives."""
+    ``budget`` (bytes; default ``XATTN_GEMM_BWD_BUDGET_MIB``) gives. ``positions`` (fp32 ``[B, Nq]``)
+    replaces the mask: row i of batch b sees keys ``j <= positions[b, i]`` (padded documents,
+    :func:`gemm_backward_padded`); ``causal`` then only lets blocks skip the keys past the causal
+    limit, so positions must stay within it (``positions[b, i] <= i + Nk - Nq``)."""
     _check_buffers(dout, q, out, lse)
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -101,11 +104,15 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
     rowbias = _vec_to_blocks(jnp.where(jnp.isfinite(lse32), lse32 * -LOG2E, -jnp.inf), Hkv, R, Np, -math.inf)
     delta = jnp.einsum("bnhd,bnhd->bhn", dout.astype(jnp.float32), out.astype(jnp.float32))
     delta = _vec_to_blocks(delta, Hkv, R, Np, 0.0)
-    if causal:
-        pos = jnp.arange(Np, dtype=jnp.float32) + shift
-    else:  # every row sees every real key; only the padded keys (>= Nk) are masked
-        pos = jnp.full((Np,), Nk - 1, jnp.float32)
-    rowpos = jnp.broadcast_to(jnp.repeat(pos.reshape(C, R), g, axis=1)[None], (L, C, R * g))
+    if positions is not None:
+        pos = jnp.pad(positions.astype(jnp.float32), ((0, 0), (0, Np - Nq)))  # padded rows: bias -inf
+        rowpos = jnp.broadcast_to(pos.reshape(B, 1, C, R, 1), (B, Hkv, C, R, g)).reshape(L, C, R * g)
+    else:
+        if causal:
+            pos = jnp.arange(Np, dtype=jnp.float32) + shift
+        else:  # every row sees every real key; only the padded keys (>= Nk) are masked
+            pos = jnp.full((Np,), Nk - 1, jnp.float32)
+        rowpos = jnp.broadcast_to(jnp.repeat(pos.reshape(C, R), g, axis=1)[None], (L, C, R * g))
     colpos = jnp.broadcast_to(jnp.arange(nk8, dtype=jnp.float32)[None], (L, nk8))
     assert p.blocks[-1][1] == Nk  # the last block's rows reach the last key (causal bottom-right too)
     f32 = jnp.float32
@@ -141,3 +148,39 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
     unblock = lambda x: x[:, :Nk].reshape(B, Hkv, Nk, D).transpose(0, 2, 1, 3)  # noqa: E731
     return dq, unblock(dk), unblock(dv)
 
+
+
+def gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, *, max_seqlen_q: int, max_seqlen_k: int,
+                         softmax_scale: float, causal: bool, budget: int | None = None):
+    """The packed backward on the GEMM route with static shapes: q/dout/out ``[Tq, Hq, D]``, k/v
+    ``[Tk, Hkv, D]``, lse fp32 ``[Hq, Tq]``, cu_seqlens int32 ``[B + 1]`` (traced values). Every
+    document is padded to ``max_seqlen_q`` / ``max_seqlen_k`` and the B documents run as one dense
+    batch (per-row positions mask the padding and each document's bottom-right causal limit), so it
+    is efficient when the documents are about that long. Causal blocks skip keys past
+    ``(c+1)·rows + max_seqlen_k − max_seqlen_q``: exact when every document has ``nk − nq <=
+    max_seqlen_k − max_seqlen_q`` (the caller ensures it: equal cu_seqlens). Returns dq, dk, dv in the
+    packed layouts, 0 outside every document."""
+    B, Nq, Nk = cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+    Tq, Tk = q.shape[0], k.shape[0]
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    tq, tk = jnp.arange(Nq), jnp.arange(Nk)
+    tok_q = cu_q[:-1, None] + jnp.minimum(tq[None], jnp.maximum(lq - 1, 0)[:, None])  # padding repeats a real row
+    tok_k = cu_k[:-1, None] + jnp.minimum(tk[None], jnp.maximum(lk - 1, 0)[:, None])
+    valid_q, valid_k = tq[None] < lq[:, None], tk[None] < lk[:, None]
+    take = lambda x, tok: jnp.take(x, tok, axis=0, mode="clip")  # noqa: E731  ([B, N, H, D])
+    lse_d = jnp.where(valid_q[:, None], jnp.take(lse, tok_q, axis=1, mode="clip").transpose(1, 0, 2), -jnp.inf)
+    if causal:  # row t of a document sees keys j <= t + nk - nq
+        pos = tq[None] + (lk - lq)[:, None]
+    else:
+        pos = jnp.broadcast_to((lk - 1)[:, None], (B, Nq))
+    dq, dk, dv = gemm_backward(take(dout, tok_q), take(q, tok_q), take(k, tok_k), take(v, tok_k), take(out, tok_q),
+                               lse_d, softmax_scale=softmax_scale, causal=causal, budget=budget,
+                               positions=pos.astype(jnp.float32))
+    dst_q = jnp.where(valid_q, tok_q, Tq).reshape(-1)  # padding lands on a dropped row
+    dst_k = jnp.where(valid_k, tok_k, Tk).reshape(-1)
+
+    def scatter(total, dst, x):
+        rows = x.reshape(-1, *x.shape[2:])
+        return jnp.zeros((total + 1, *rows.shape[1:]), x.dtype).at[dst].set(rows)[:total]
+
+    return scatter(Tq, dst_q, dq), scatter(Tk, dst_k, dk), scatter(Tk, dst_k, dv)

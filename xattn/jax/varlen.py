@@ -28,7 +28,9 @@ int32 dtype and the ``[S + 1]`` shapes are static and always checked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 
 import jax
@@ -37,6 +39,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 
+from xattn.core import gemm_bwd as _gemm_route
 from xattn.core import varlen_check as vc
 from xattn.core.spec import canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
@@ -55,7 +58,10 @@ class VarlenConfig:
     base: Config
     max_seqlen_q: int
     max_seqlen_k: int
+    same_segments: bool = False  # cu_seqlens_q is cu_seqlens_k (every document has nq == nk)
 
+
+_log = logging.getLogger("xattn")
 
 _OPS = vc.ArrayOps(first_true=jnp.argmax, take=lambda x, i: x[i],
                    stack=lambda values: jnp.stack([jnp.asarray(x).astype(jnp.int32) for x in values]))
@@ -114,12 +120,51 @@ def _bwd(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):
     spec = c.spec("bwd", q, k, v, varlen=True)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing was computed: every gradient is 0
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    if _padded_gemm_route(cfg, spec, q, k, cu_q):
+        from .gemm_bwd import gemm_backward_padded
+
+        return gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=cfg.max_seqlen_q,
+                                    max_seqlen_k=cfg.max_seqlen_k, softmax_scale=c.scale, causal=c.causal,
+                                    budget=c.bwd_route[1])
     ws = bwd_workspace_shapes(spec, cu_q.shape[0] - 1, cfg.max_seqlen_q, cfg.max_seqlen_k, q.shape[0],
                               k.shape[0], q.shape[1], k.shape[1])
     outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
     dq, dk, dv = _ffi.call(spec, [dout, q, k, v, out, lse, cu_q, cu_k], outs, ws, c.scale,
                            vmap_method="sequential")
     return dq, dk, dv
+
+
+PADDED_GEMM_MAX_FILL = 1.125  # B * max_seqlen <= this x T: the documents are about max_seqlen long
+
+
+def _padded_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> bool:
+    """Whether a packed backward runs on the GEMM route, decided from static shapes alone (under
+    ``jit`` the document lengths are traced values): the documents padded to ``max_seqlen`` must cost
+    little more than they are (``B * max_seqlen <= 1.125 * T``, both sides), the measured table must
+    pick the GEMMs at that key length, and a causal call needs ``cu_seqlens_q is cu_seqlens_k``
+    (the block plan's causal limit holds then). Logged at debug level, with the reason."""
+    c = cfg.base
+    route = c.bwd_route[0]
+    b = cu_q.shape[0] - 1
+    why_not = None
+    if not _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, (spec.window_left, spec.window_right),
+                              route=route):
+        return False
+    if c.causal and not cfg.same_segments:
+        why_not = "a causal packed backward on the GEMM route needs cu_seqlens_q is cu_seqlens_k"
+        if route == "gemm":
+            raise ValueError(f"XATTN_BWD_ROUTE=gemm: {why_not}")
+    elif route != "gemm" and (b * cfg.max_seqlen_q > PADDED_GEMM_MAX_FILL * q.shape[0]
+                              or b * cfg.max_seqlen_k > PADDED_GEMM_MAX_FILL * k.shape[0]):
+        why_not = (f"{b} documents padded to max_seqlen ({cfg.max_seqlen_q}, {cfg.max_seqlen_k}) would cost more "
+                   f"than {PADDED_GEMM_MAX_FILL}x the {q.shape[0]} / {k.shape[0]} tokens (lengths are traced)")
+    if why_not is None:
+        choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, c.causal,
+                                    (spec.window_left, spec.window_right), True, cfg.max_seqlen_k, route=route)
+        why_not = None if choice.route == "gemm" else choice.reason
+    _log.debug("xattn packed backward route %s: %s", "ffpa" if why_not else "gemm",
+               why_not or "documents about max_seqlen long: padded dense batch on the GEMM backward")
+    return why_not is None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -181,7 +226,8 @@ def _checked_config(q, k, v, cu_q, cu_k, family, scale, causal, window, backend,
     Returns ``(cfg, cu_q, cu_k)``, the cu_seqlens to launch with."""
     _check(q, k, v, cu_q, cu_k)
     _check_same_devices(q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    cfg = _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_k)
+    cfg = dataclasses.replace(_config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_k),
+                              same_segments=cu_q is cu_k)
     if vc.checking(check_inputs):
         cu_q, cu_k = _check_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return cfg, cu_q, cu_k
