@@ -150,6 +150,7 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
     from xattn.jax import varlen as jv
 
     monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
+    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", True)
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     calls = []
     real = gb.gemm_backward_padded
@@ -166,6 +167,8 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
         loose = dataclasses.replace(same, max_seqlen_q=128, max_seqlen_k=128)
         assert not jv._padded_gemm_route(loose, spec, q, k, cu)
     assert "needs cu_seqlens_q is cu_seqlens_k" in caplog.text and "would cost more" in caplog.text
+    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", False)  # today's default: opt-in only
+    assert not jv._padded_gemm_route(same, spec, q, k, cu)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     forced = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)
     with pytest.raises(ValueError, match="XATTN_BWD_ROUTE=gemm"):
@@ -178,7 +181,10 @@ def test_varlen_attention_grads_on_the_padded_route(standin, monkeypatch):
     from xattn.core import gemm_bwd as route_table
     import xattn.jax as xj
 
+    from xattn.jax import varlen as jv
+
     monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
+    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", True)
     calls = []
     real = gb.gemm_backward_padded
     monkeypatch.setattr(gb, "gemm_backward_padded", lambda *a, **kw: calls.append(1) or real(*a, **kw))
