@@ -139,7 +139,8 @@ def throughput_rows(device, quick, repeat=3):
             def nat_fwd_bwd():
                 o = nat(qg, kg, vg)
                 torch.autograd.grad(o, (qg, kg, vg), dout)
-            cases = [("xattn.core(torch)", "fwd", core.fwd), ("xattn.core(torch)", "fwd+bwd", lambda: core.fwd_bwd(dout)),
+            cases = [("xattn.core(torch)", "fwd", core.fwd),
+                     ("xattn.core(torch)", "fwd+bwd", lambda: core.fwd_bwd(dout)),
                      (native_name, "fwd", lambda: nat(q, k, v)), (native_name, "fwd+bwd", nat_fwd_bwd)]
             for _, _, fn in cases:
                 fn()  # compile / warm
@@ -185,9 +186,11 @@ def host_rows(device):
 
 
 def markdown(rows) -> str:
-    lines = ["| method | d | causal | pass | B | H | N | ms | TFLOP/s | us/call |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | d | causal | pass | B | H | N | ms | TFLOP/s | us/call |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['head_dim']} | {r['causal']} | {r['pass']} | {r['batch']} | {r['heads_q']} | "
+        lines.append(f"| {r['method']} | {r['head_dim']} | {r['causal']} | {r['pass']} | {r['batch']} | "
+                     f"{r['heads_q']} | "
                      f"{r['seqlen']} | {r['ms']} | {r['tflops'] if r['tflops'] is not None else ''} | "
                      f"{r.get('us_per_call', '')} |")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """d512 backward routes (issue #14): FFPA's fused backward vs the chunked-GEMM backward.
 
     python benchmarks/bwd_routes.py [--seqlens 8192,16384] [--frameworks torch,jax] [--dtypes bfloat16,float16]
-        [--routes ffpa,gemm] [--shapes 32/4/causal,16/16/full,16/16/causal] [--out benchmarks/results/bwd_routes_h200.json]
+        [--routes ffpa,gemm] [--shapes 32/4/causal,16/16/full,16/16/causal]
+        [--out benchmarks/results/bwd_routes_h200.json]
 
 Shapes: the issue's three target rows (B1, d512): Hq32/Hkv4 causal (Gemma 4 global layers),
 Hq16/Hkv16 non-causal, Hq16/Hkv16 causal; bf16 and fp16. Per (shape, N, dtype, route):

@@ -289,7 +289,8 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
             self.o = dense(dims["heads"] * self.d, h, rngs)
             self.q_norm, self.k_norm = Norm(self.d, 0.1), Norm(self.d)
             self.norms = nnx.List([Norm(h) for _ in range(4)])
-            self.gate, self.up, self.down = dense(h, dims["mlp"], rngs), dense(h, dims["mlp"], rngs), dense(dims["mlp"], h, rngs)
+            self.gate, self.up = dense(h, dims["mlp"], rngs), dense(h, dims["mlp"], rngs)
+            self.down = dense(dims["mlp"], h, rngs)
 
         def __call__(self, x):
             b, n, _ = x.shape
@@ -347,7 +348,8 @@ def jax_step(impl: str, n: int, iters: int, packed: bool = False) -> dict:
         jax.block_until_ready(step(params, ids, labels))
         times.append(time.perf_counter() - t0)
     dev = jax.devices()[0]
-    return dict(step_s=statistics.median(times), peak_gib=(dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30,
+    return dict(step_s=statistics.median(times),
+                peak_gib=(dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30,
                 device=dev.device_kind)
 
 

@@ -64,7 +64,8 @@ def plan(part: str):
                  for d, hq, hkv in ((512, 32, 4), (128, 16, 16)) for p in ("fwd", "fwd+bwd")]
     elif part == "host":
         rows += [(m, d, 8, 8, 128, False, "fwd") for d, ms in ((512, ("xattn.torch", "xattn.jax", "ffpa_attn native")),
-                                                               (128, ("xattn.torch", "xattn.jax", "flash_attn.cute native")))
+                                                               (128, ("xattn.torch", "xattn.jax",
+                                                                      "flash_attn.cute native")))
                  for m in ms]
     elif part == "fp16":  # the Gemma 4 global layer in fp16 (every other part is bf16); SDPA rows last
         for methods in (("xattn.torch", "xattn.jax", "ffpa_attn native"), ("torch sdpa",)):
@@ -360,7 +361,8 @@ def main(argv=None):
             done = json.load(f)
         if args.redo:
             done = [r for r in done if r.get("part") != args.part]
-    measured = {_key(r) for r in done if r.get("status") == "ok" and r["pass"] != "matmul" and r.get("part") == args.part}
+    measured = {_key(r) for r in done
+                if r.get("status") == "ok" and r["pass"] != "matmul" and r.get("part") == args.part}
     slow = {}  # series -> ms of its last N; a series past SLOW_MS skips its larger N (4x the work each)
     for i, spec in enumerate(rows, 1):
         method, d, hq, hkv, n, causal, pass_ = spec

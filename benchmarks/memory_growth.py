@@ -87,7 +87,8 @@ def _torch_good(device: str, small: bool) -> list[Case]:
                                                          mk(1, n(400), 2, 512), causal=True)),
         Case("torch ffpa d512 gqa4 fwd (no_grad)", infer(mk(2, n(256), 8, 512), mk(2, n(256), 2, 512),
                                                         mk(2, n(256), 2, 512))),
-        Case("torch ffpa d512 gqa8 fwd+bwd", train(mk(1, n(200), 8, 512), mk(1, n(264), 1, 512), mk(1, n(264), 1, 512))),
+        Case("torch ffpa d512 gqa8 fwd+bwd",
+             train(mk(1, n(200), 8, 512), mk(1, n(264), 1, 512), mk(1, n(264), 1, 512))),
         Case("torch ffpa d512 gqa8 causal fwd+bwd", train(mk(1, n(320), 8, 512), mk(1, n(320), 1, 512),
                                                          mk(1, n(320), 1, 512), causal=True)),
         Case("torch fa4 d128 gqa4 causal fwd+bwd", train(mk(2, n(500), 8, 128), mk(2, n(500), 2, 128),
@@ -130,7 +131,8 @@ def _torch_bad(device: str) -> list[Case]:
     q4, k4d = mk(1, 96, 8, 128), mk(1, 96, 2, 128)
 
     def refused_fa4_backward():
-        on, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        on = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(True)
         try:
             xt.attention(q4, k4d, k4d, causal=True).float().sum().backward()
@@ -172,13 +174,16 @@ def _jax_cases() -> list[Case]:
     wq, wk, wv = mk(1, 600, 4, 256), mk(1, 600, 2, 256), mk(1, 600, 2, 256)
     bad_q = mk(333, 8, 512)
     return [
-        Case("jax ffpa d512 gqa4 causal grad", grad(lambda q, k, v: xj.ffpa_attention(q, k, v, causal=True, backend="kernel"),
+        Case("jax ffpa d512 gqa4 causal grad",
+             grad(lambda q, k, v: xj.ffpa_attention(q, k, v, causal=True, backend="kernel"),
                                                     mk(1, 333, 8, 512), mk(1, 400, 2, 512), mk(1, 400, 2, 512))),
-        Case("jax fa4 d128 gqa4 causal grad", grad(lambda q, k, v: xj.flash_attention(q, k, v, causal=True, backend="kernel"),
+        Case("jax fa4 d128 gqa4 causal grad",
+             grad(lambda q, k, v: xj.flash_attention(q, k, v, causal=True, backend="kernel"),
                                                    mk(2, 500, 8, 128), mk(2, 500, 2, 128), mk(2, 500, 2, 128))),
         Case("jax fa4 d128 gqa4 causal varlen grad", grad(
             lambda q, k, v: xj.varlen_attention(q, k, v, cu, cu, max_seqlen_q=300, max_seqlen_k=300, family="fa4",
-                                                causal=True, backend="kernel"), mk(t, 8, 128), mk(t, 2, 128), mk(t, 2, 128))),
+                                                causal=True, backend="kernel"), mk(t, 8, 128), mk(t, 2, 128),
+                                                mk(t, 2, 128))),
         Case("jax fa4 d256 gqa2 window(63,0) fwd", lambda: jax.block_until_ready(window(wq, wk, wv))),
         Case("jax bad: rank-3 q", lambda: xj.ffpa_attention(bad_q, bad_q, bad_q, backend="kernel"), INPUT_ERRORS),
     ]

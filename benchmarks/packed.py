@@ -88,7 +88,8 @@ def torch_row(spec: str) -> dict:
     else:
         calls, s = [], 0
         for n in lens:
-            calls.append(tuple(x.detach()[None, s:s + n].clone().requires_grad_(x is not dout) for x in (q, k, v, dout)))
+            doc = (x.detach()[None, s:s + n].clone() for x in (q, k, v, dout))
+            calls.append(tuple(x.requires_grad_(i < 3) for i, x in enumerate(doc)))
             s += n
 
     def dense():

@@ -120,7 +120,7 @@ def _torch_worker(rank, world, port, seqlens, iters, path):
             if rank == 0:
                 log(f"torch {method} N={n}: {rows[-1]['step_ms']} ms, {rows[-1]['tflops']} TFLOP/s, "
                     f"{rows[-1]['peak_gib']} GiB/rank")
-        del local, local_dout
+        local = local_dout = None  # free them (the closures are done with them)
         torch.cuda.empty_cache()
         if rank == 0:  # one GPU, the whole sequence (rank 1 waits)
             full = [t.requires_grad_() for t in (q, k, v)]
@@ -140,9 +140,10 @@ def _torch_worker(rank, world, port, seqlens, iters, path):
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             rows.append(_row("torch", "single", n, 1, times, torch.cuda.max_memory_allocated() / 2 ** 30))
-            log(f"torch single N={n}: {rows[-1]['step_ms']} ms, {rows[-1]['tflops']} TFLOP/s, {rows[-1]['peak_gib']} GiB")
+            log(f"torch single N={n}: {rows[-1]['step_ms']} ms, {rows[-1]['tflops']} TFLOP/s, "
+                f"{rows[-1]['peak_gib']} GiB")
             del full
-        del q, k, v, dout
+        q = k = v = dout = None
         torch.cuda.empty_cache()
         dist.barrier()
     dist.destroy_process_group()

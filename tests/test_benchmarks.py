@@ -22,11 +22,13 @@ def _load(name):
 def test_full_plan_covers_the_issue():
     full = _load("full")
     d512 = full.plan("d512")
-    assert {r[0] for r in d512} >= {"xattn.torch", "xattn.jax", "ffpa_attn native", "torch sdpa", "jax xla", "jax cudnn"}
+    assert {r[0] for r in d512} >= {"xattn.torch", "xattn.jax", "ffpa_attn native", "torch sdpa", "jax xla",
+                                    "jax cudnn"}
     assert {r[4] for r in d512} == {1024, 2048, 4096, 8192, 16384, 32768}
     assert {(r[2], r[3]) for r in d512} == {(32, 4), (16, 16)}
     assert {r[1] for r in full.plan("small")} == {128, 256}
-    assert full.flops(1, 1, 4, 4, 1, True, "fwd") == 4 * 8 and full.flops(1, 1, 4, 4, 1, False, "fwd+bwd") == 4 * 16 * 3.5
+    assert full.flops(1, 1, 4, 4, 1, True, "fwd") == 4 * 8 and full.flops(1, 1, 4, 4, 1, False,
+                                                                          "fwd+bwd") == 4 * 16 * 3.5
     assert full.flops(1, 1, 4, 4, 1, False, "fwd", window=2) == 4 * (1 + 2 + 2 + 2)
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "full.py"), "--part", "sliding", "--dry-run"],
                          capture_output=True, text=True, check=True).stdout
@@ -36,7 +38,8 @@ def test_full_plan_covers_the_issue():
 def _rows():
     base = dict(head_dim=512, heads_q=32, heads_kv=4, causal=True, dtype="bfloat16", device="H200", status="ok",
                 part="d512")
-    rows = [dict(base, method="torch bf16 matmul 8192^3", head_dim=0, seqlen=8192, **{"pass": "matmul"}, ms=1.0, tflops=800.0)]
+    rows = [dict(base, method="torch bf16 matmul 8192^3", head_dim=0, seqlen=8192, **{"pass": "matmul"}, ms=1.0,
+                 tflops=800.0)]
     for n, nat, ours in ((4096, 380.0, 386.0), (8192, 480.0, 490.0)):
         rows.append(dict(base, method="ffpa_attn native", seqlen=n, **{"pass": "fwd"}, ms=1.0, tflops=nat))
         rows.append(dict(base, method="xattn.torch", seqlen=n, **{"pass": "fwd"}, ms=1.0, tflops=ours))
@@ -112,7 +115,8 @@ def test_e2e_gemma4_error_rows_name_the_failure_not_a_source_line():
     from benchmarks.e2e_gemma4 import _error_line
 
     tb = ('Traceback (most recent call last):\n  File "m.py", line 3\n    return rms(x)\n'
-          'jax.errors.JaxRuntimeError: INTERNAL: failed to launch\n----\nFor simplicity, JAX removed frames\n    return rms(x)\n')
+          'jax.errors.JaxRuntimeError: INTERNAL: failed to launch\n----\n'
+          'For simplicity, JAX removed frames\n    return rms(x)\n')
     assert _error_line(tb) == "jax.errors.JaxRuntimeError: INTERNAL: failed to launch"
     assert _error_line("F1201 10:00:00 gpu.cc:12] Check failed: ok\n    at frame\n").startswith("F1201")
     assert _error_line("no error line\n") == "no error line" and _error_line("") == "?"

@@ -30,7 +30,8 @@ def test_causal_is_bottom_right():
     assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
     m = allowed(4, 2, causal=True)  # first two queries see nothing
     assert m.tolist() == [[False, False], [False, False], [True, False], [True, True]]
-    assert allowed(3, 3, False, window=(1, 0)).tolist() == [[True, False, False], [True, True, False], [False, True, True]]
+    assert allowed(3, 3, False, window=(1, 0)).tolist() == [[True, False, False], [True, True, False],
+                                                            [False, True, True]]
 
 
 def test_empty_rows_and_segments():

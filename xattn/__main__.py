@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="a preset instead of --family/--head-dims/--gqa/--causal (not combinable with them)")
     warm.add_argument("--family", nargs="+", choices=["ffpa", "fa4"], help="default: ffpa fa4")
     warm.add_argument("--head-dims", nargs="+", type=_head_dim,
-                      help="D or D:Dv, e.g. 512 128 192:128 (each goes to the family that supports it; default 512 128)")
+                      help="D or D:Dv, e.g. 512 128 192:128 (each goes to the family that supports it; "
+                           "default 512 128)")
     warm.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
     warm.add_argument("--gqa", nargs="+", type=_positive_int, help="Hq // Hkv ratios (default 1)")
     warm.add_argument("--causal", nargs="+", choices=["no", "yes"], help="default: no yes")

@@ -61,18 +61,27 @@ def test_jax_array_refused_as_output():
 
 
 @pytest.mark.parametrize("name, value, exc, words", [
-    pytest.param("q", torch.randn(2, 64, 8, 512), TypeError, ["q: expected dtype float16 or bfloat16", "float32"], id="q-fp32"),
-    pytest.param("k", torch.randn(2, 64, 2, 512, dtype=torch.float16), TypeError, ["k: expected dtype bfloat16", "float16"], id="k-fp16"),
+    pytest.param("q", torch.randn(2, 64, 8, 512), TypeError, ["q: expected dtype float16 or bfloat16", "float32"],
+                 id="q-fp32"),
+    pytest.param("k", torch.randn(2, 64, 2, 512, dtype=torch.float16), TypeError,
+                 ["k: expected dtype bfloat16", "float16"], id="k-fp16"),
     pytest.param("lse", torch.empty(2, 8, 64, dtype=BF16), TypeError, ["lse: expected dtype float32"], id="lse-bf16"),
-    pytest.param("q", torch.randn(64, 8, 512, dtype=BF16), ValueError, ["q: expected rank 4", "[B, N, H, D]"], id="q-rank"),
+    pytest.param("q", torch.randn(64, 8, 512, dtype=BF16), ValueError, ["q: expected rank 4", "[B, N, H, D]"],
+                 id="q-rank"),
     pytest.param("k", torch.randn(3, 64, 2, 512, dtype=BF16), ValueError, ["k: expected batch 2"], id="k-batch"),
     pytest.param("k", torch.randn(2, 64, 3, 512, dtype=BF16), ValueError, ["Hkv=3 must divide Hq=8"], id="gqa"),
-    pytest.param("v", torch.randn(2, 64, 2, 384, dtype=BF16), NotImplementedError, ["equal", "512 and 384"], id="v-dim"),
-    pytest.param("v", torch.randn(2, 63, 2, 512, dtype=BF16), ValueError, ["v: expected shape (2, 64, 2, 512)", "[B, N, Hkv, Dv]"], id="v-len"),
-    pytest.param("out", torch.empty(2, 64, 8, 256, dtype=BF16), ValueError, ["out: expected shape (2, 64, 8, 512)"], id="out-shape"),
-    pytest.param("lse", torch.empty(2, 64, 8), ValueError, ["lse: expected shape (2, 8, 64)", "[B, Hq, Nq]"], id="lse-shape"),
-    pytest.param("q", torch.randn(2, 64, 8, 1024, dtype=BF16)[..., ::2], ValueError, ["q: needs unit stride"], id="q-stride"),
-    pytest.param("q", torch.randn(2 * 64 * 8 * 512 + 1, dtype=BF16)[1:].view(2, 64, 8, 512), ValueError, ["q: data pointer must be 16-byte aligned"], id="q-misaligned"),
+    pytest.param("v", torch.randn(2, 64, 2, 384, dtype=BF16), NotImplementedError, ["equal", "512 and 384"],
+                 id="v-dim"),
+    pytest.param("v", torch.randn(2, 63, 2, 512, dtype=BF16), ValueError,
+                 ["v: expected shape (2, 64, 2, 512)", "[B, N, Hkv, Dv]"], id="v-len"),
+    pytest.param("out", torch.empty(2, 64, 8, 256, dtype=BF16), ValueError, ["out: expected shape (2, 64, 8, 512)"],
+                 id="out-shape"),
+    pytest.param("lse", torch.empty(2, 64, 8), ValueError, ["lse: expected shape (2, 8, 64)", "[B, Hq, Nq]"],
+                 id="lse-shape"),
+    pytest.param("q", torch.randn(2, 64, 8, 1024, dtype=BF16)[..., ::2], ValueError, ["q: needs unit stride"],
+                 id="q-stride"),
+    pytest.param("q", torch.randn(2 * 64 * 8 * 512 + 1, dtype=BF16)[1:].view(2, 64, 8, 512), ValueError,
+                 ["q: data pointer must be 16-byte aligned"], id="q-misaligned"),
 ])
 def test_bad_buffer(name, value, exc, words):
     b = dense()

@@ -55,7 +55,8 @@ LOAD_IN_NEW_PROCESS = """
         err = None
     except ValueError as exc:
         err = str(exc)
-    print(json.dumps(dict(source=entry.source, seconds=entry.seconds, is_fn=isinstance(entry.function, tvm_ffi.Function),
+    print(json.dumps(dict(source=entry.source, seconds=entry.seconds,
+                          is_fn=isinstance(entry.function, tvm_ffi.Function),
                           err=err, kernel_modules=kernel_modules)))
 """
 

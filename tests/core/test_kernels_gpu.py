@@ -214,8 +214,10 @@ def test_torch_current_stream_is_used():
 def _bad_out_cases(q):
     spare = torch.empty(q.numel() + 8, device="cuda", dtype=q.dtype)
     return [
-        pytest.param(lambda: spare[1:1 + q.numel()].view(q.shape), (ValueError,), "out: data pointer must be 16-byte aligned", id="misaligned"),
-        pytest.param(lambda: torch.empty_like(q, dtype=torch.float16), (TypeError,), "out: expected dtype bfloat16", id="dtype"),
+        pytest.param(lambda: spare[1:1 + q.numel()].view(q.shape), (ValueError,),
+                     "out: data pointer must be 16-byte aligned", id="misaligned"),
+        pytest.param(lambda: torch.empty_like(q, dtype=torch.float16), (TypeError,), "out: expected dtype bfloat16",
+                     id="dtype"),
         pytest.param(lambda: torch.empty(q.shape[:-1] + (q.shape[-1] * 2,), device="cuda", dtype=q.dtype)[..., ::2],
                      (ValueError,), "out: needs unit stride", id="strided"),
         pytest.param(lambda: torch.empty((q.shape[0], q.shape[1] + 1, *q.shape[2:]), device="cuda", dtype=q.dtype),

@@ -21,7 +21,8 @@ def spec(**kw):
     pytest.param(dict(head_dim=384, head_dim_v=384, causal=True, varlen=True, direction="bwd"), id="ffpa-d384-bwd"),
     pytest.param(dict(family="fa4", head_dim=128, head_dim_v=128), id="fa4-d128"),
     pytest.param(dict(family="fa4", head_dim=192, head_dim_v=128, direction="bwd"), id="fa4-192-128-bwd"),
-    pytest.param(dict(family="fa4", head_dim=256, head_dim_v=256, window_left=1024, window_right=0), id="fa4-d256-local"),
+    pytest.param(dict(family="fa4", head_dim=256, head_dim_v=256, window_left=1024, window_right=0),
+                 id="fa4-d256-local"),
 ])
 def test_supported(kw):
     assert supports(spec(**kw)) is None
@@ -36,9 +37,11 @@ def test_supported(kw):
     pytest.param(dict(dtype="float32"), "float16 or bfloat16", id="fp32"),
     pytest.param(dict(arch="sm_100a"), "sm90", id="arch"),
     pytest.param(dict(family="fa4", head_dim=512, head_dim_v=512), "FA4 on sm90 supports", id="fa4-d512"),
-    pytest.param(dict(family="fa4", head_dim=128, head_dim_v=128, causal=True, window_left=8), "mutually exclusive", id="causal-window"),
+    pytest.param(dict(family="fa4", head_dim=128, head_dim_v=128, causal=True, window_left=8), "mutually exclusive",
+                 id="causal-window"),
     pytest.param(dict(qhead_per_kvhead=0), "positive", id="gqa0"),
-    pytest.param(dict(family="fa4", direction="bwd", head_dim=192, head_dim_v=128, qhead_per_kvhead=2), "GQA", id="fa4-192-128-gqa-bwd"),
+    pytest.param(dict(family="fa4", direction="bwd", head_dim=192, head_dim_v=128, qhead_per_kvhead=2), "GQA",
+                 id="fa4-192-128-gqa-bwd"),
     pytest.param(dict(family="xyz"), "unknown kernel family", id="family"),
 ])
 def test_unsupported_says_why(kw, words):
@@ -80,7 +83,8 @@ def test_ffpa_gqa_ratio_must_divide_the_forward_tile():
     from xattn.core.spec import FFPA_FWD_TILE_M, KernelSpec, supports
 
     for direction in ("fwd", "bwd"):
-        assert "GQA ratio must divide 64" in supports(KernelSpec("ffpa", direction, "float16", 448, 448, 3, False, True))
+        assert "GQA ratio must divide 64" in supports(KernelSpec("ffpa", direction, "float16", 448, 448, 3, False,
+                                                                 True))
         assert supports(KernelSpec("ffpa", direction, "bfloat16", 512, 512, 8, True, False)) is None
     utils = pytest.importorskip("ffpa_attn.cute._utils")
     assert FFPA_FWD_TILE_M == utils.SM90_FWD_TILE_M

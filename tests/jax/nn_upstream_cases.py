@@ -123,7 +123,8 @@ def _close(name: str, got, want, tol: float) -> str | None:
         return f"{name}: {int((~np.isfinite(got)).sum())} non-finite values"
     bad = np.abs(got - want) > tol + tol * np.abs(want)
     if bad.any():
-        return f"{name}: {int(bad.sum())} of {bad.size} outside atol=rtol={tol} (max |diff| {np.abs(got - want).max():.3g})"
+        return (f"{name}: {int(bad.sum())} of {bad.size} outside atol=rtol={tol} "
+                f"(max |diff| {np.abs(got - want).max():.3g})")
     return None
 
 

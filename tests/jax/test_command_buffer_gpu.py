@@ -33,7 +33,8 @@ leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(res[-1])]
 same = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
            for r in res[:-1] for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(res[-1])))
 np.save(sys.argv[4], np.concatenate([x.ravel() for x in leaves]))
-print("RESULT " + json.dumps(dict(sums=[float(np.abs(x).sum()) for x in leaves], finite=all(np.isfinite(x).all() for x in leaves),
+print("RESULT " + json.dumps(dict(sums=[float(np.abs(x).sum()) for x in leaves],
+                                  finite=all(np.isfinite(x).all() for x in leaves),
       repeat_same=same, command_buffer="command_buffer" in text and "xattn" in text,
       hashes=[hashlib.sha256(x.tobytes()).hexdigest() for x in leaves])))
 """
@@ -42,7 +43,8 @@ print("RESULT " + json.dumps(dict(sums=[float(np.abs(x).sum()) for x in leaves],
 def _run(args, flags, path):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags,
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, args), str(path)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, args), str(path)], capture_output=True, text=True,
+                          env=env,
                           timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

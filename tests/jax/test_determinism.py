@@ -44,7 +44,8 @@ def _varlen(family, d, g):
         k, v = (jax.random.normal(r, (9, 2, d), jnp.float16) for r in (k2, k3))
         cu = jnp.array([0, 4, 4, 9], jnp.int32)
         loss = lambda q, k, v: (xj.varlen_attention(q, k, v, cu, cu, max_seqlen_q=5, max_seqlen_k=5, family=family,  # noqa: E731
-                                                    scale=0.1, causal=True, backend="kernel").astype(jnp.float32) ** 2).sum()
+                                                    scale=0.1, causal=True,
+                                                    backend="kernel").astype(jnp.float32) ** 2).sum()
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     return run
 
@@ -127,7 +128,8 @@ def test_turning_the_mode_on_after_a_trace_still_refuses(monkeypatch):
     """A backward traced with the mode off is not reused once it is on (the GPU run caught this: the
     custom_vjp's traced backward was cached on a config that did not hold the mode)."""
     q, k, v = (jax.random.normal(kk, s, jnp.float16) for kk, s in zip(jax.random.split(jax.random.PRNGKey(4), 3),
-                                                                       ((1, 16, 4, 128), (1, 16, 1, 128), (1, 16, 1, 128))))
+                                                                       ((1, 16, 4, 128), (1, 16, 1, 128),
+                                                                        (1, 16, 1, 128))))
     loss = lambda q, k, v: xj.flash_attention(q, k, v, causal=True, backend="kernel").astype(jnp.float32).sum()  # noqa: E731
     monkeypatch.setenv("XATTN_DETERMINISTIC", "0")
     jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)

@@ -79,7 +79,8 @@ def test_vmap_with_unmapped_kv_broadcasts():
 def test_remat_keeps_named_residuals():
     q, k, v = _qkv(3, (1, 8, 2, 128), (1, 8, 2, 128))
     policy = jax.checkpoint_policies.save_only_these_names("xattn_out", "xattn_lse")
-    f = jax.checkpoint(lambda q, k, v: xj.flash_attention(q, k, v, scale=0.1, backend="kernel").astype(jnp.float32).sum(),
+    f = jax.checkpoint(lambda q, k,
+                       v: xj.flash_attention(q, k, v, scale=0.1, backend="kernel").astype(jnp.float32).sum(),
                        policy=policy)
     g = jax.jit(jax.grad(f))(q, k, v)
     ref = jax.grad(lambda q: _ref(q, k, v, False, 0.1).sum())(q)
@@ -142,11 +143,13 @@ def test_backward_fills_only_the_buffers_that_need_it():
     jaxpr = jax.make_jaxpr(lambda *a: xj.fa4_bwd(*a, scale=0.1, causal=True, backend="kernel"))(out, q, k, v, out, lse)
     makers = _buffer_makers(jaxpr.jaxpr)
     spec = KernelSpec("fa4", "bwd", "float16", 128, 128, 4, True, False)
-    layout = {name: (tuple(shape), fill) for name, shape, _, fill in bwd_workspace_shapes(spec, 2, 40, 56, 80, 112, 8, 2)}
+    layout = {name: (tuple(shape), fill) for name, shape, _,
+              fill in bwd_workspace_shapes(spec, 2, 40, 56, 80, 112, 8, 2)}
     filled = {shape for shape, fill in layout.values() if fill is not None}
     assert filled == {layout["dk_accum"][0], layout["dv_accum"][0]}
     assert {shape for prim, shape in makers if prim == "broadcast_in_dim"} == filled
-    assert {layout["dq_accum"][0], layout["dpsum"][0], q.shape, k.shape} <= {shape for prim, shape in makers if prim == "empty"}
+    assert {layout["dq_accum"][0], layout["dpsum"][0], q.shape, k.shape} <= {shape for prim,
+                                                                             shape in makers if prim == "empty"}
     dq, dk, dv = jax.jit(lambda *a: xj.fa4_bwd(*a, scale=0.1, causal=True, backend="kernel"))(out, q, k, v, out, lse)
     ref = xj.fa4_bwd(*(x.astype(jnp.float32) for x in (out, q, k, v, out)), lse, scale=0.1, causal=True,
                      backend="reference")
@@ -160,7 +163,8 @@ def test_gpu_targets_are_registered_command_buffer_compatible(monkeypatch):
     def fake_register(name, function, **kwargs):
         seen[name] = kwargs
 
-    monkeypatch.setattr(_ffi, "_jax_tvm_ffi", lambda: type("M", (), {"register_ffi_target": staticmethod(fake_register)}))
+    monkeypatch.setattr(_ffi, "_jax_tvm_ffi",
+                        lambda: type("M", (), {"register_ffi_target": staticmethod(fake_register)}))
     monkeypatch.setattr(_ffi, "_registered", {})
     _ffi.set_launcher_provider(lambda spec: (object(), "gpu"))
     q, k, v = _qkv(6, (1, 8, 2, 128), (1, 8, 2, 128))

@@ -36,7 +36,8 @@ def test_dense_vs_reference(fn, d, dv, g, causal):
     ref = lambda q, k, v: fn(q, k, v, causal=causal, backend="reference")  # noqa: E731
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     assert _rel(jax.jit(kern)(q, k, v), ref(*f32)) < 1e-2
-    for a, b in zip(jax.jit(jax.grad(loss(kern), argnums=(0, 1, 2)))(q, k, v), jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)):
+    for a, b in zip(jax.jit(jax.grad(loss(kern), argnums=(0, 1, 2)))(q, k, v),
+                    jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)):
         assert _rel(a, b) < 1e-2
 
 

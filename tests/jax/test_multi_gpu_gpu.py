@@ -90,5 +90,6 @@ def test_mixed_devices_is_a_clear_error(gpus):
     args = (jax.device_put(q, gpus[0]), jax.device_put(k, gpus[1]), jax.device_put(v, gpus[0]))
     with pytest.raises(ValueError, match="[Dd]evice"):
         jax.jit(lambda q, k, v: xj.flash_attention(q, k, v, causal=True))(*args)
-    out = jax.jit(lambda q, k, v: xj.flash_attention(q, k, v, causal=True))(*(jax.device_put(x, gpus[1]) for x in (q, k, v)))
+    out = jax.jit(lambda q, k,
+                  v: xj.flash_attention(q, k, v, causal=True))(*(jax.device_put(x, gpus[1]) for x in (q, k, v)))
     assert np.isfinite(np.asarray(out, np.float32)).all()

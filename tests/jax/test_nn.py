@@ -172,7 +172,8 @@ def test_residual_carries_no_gradient_like_jax_nn(stand_in, backend):
 
 
 @pytest.mark.parametrize("d", [64, 320])
-@pytest.mark.parametrize("t, s, q_len, kv_len", [(8, 6, [8, 6], [6, 3]), (8, 8, [8, 4], [4, 8]), (6, 9, [6, 2], [1, 9])])
+@pytest.mark.parametrize("t, s, q_len, kv_len",
+                         [(8, 6, [8, 6], [6, 3]), (8, 8, [8, 4], [4, 8]), (6, 9, [6, 2], [1, 9])])
 def test_kernel_causal_with_kv_lengths_shorter_than_the_queries_is_exact(stand_in, d, t, s, q_len, kv_len):
     """Causal + padding where rows reach past kv_len (jax.nn's own test: q [64, 32], kv [32, 64]): those rows
     see all real keys. Once NaN; now two launches (causal rows, full rows), forward and gradients."""

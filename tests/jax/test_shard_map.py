@@ -31,8 +31,10 @@ for name, spec in (("batch", P("x")), ("heads", P(None, None, "x"))):
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     ref_loss = lambda q, k, v: (xj.flash_attention(q, k, v, scale=0.1, causal=True, backend="reference") ** 2).sum()
     ref = jax.grad(ref_loss, argnums=(0, 1, 2))(*f32)
-    out_err = float(jnp.abs(f(put(q), put(k), put(v)).astype(jnp.float32) - xj.flash_attention(*f32, scale=0.1, causal=True, backend="reference")).max())
-    grad_err = max(float(jnp.abs(a.astype(jnp.float32) - b).max() / (jnp.abs(b).max() + 1e-6)) for a, b in zip(grads, ref))
+    want = xj.flash_attention(*f32, scale=0.1, causal=True, backend="reference")
+    out_err = float(jnp.abs(f(put(q), put(k), put(v)).astype(jnp.float32) - want).max())
+    grad_err = max(float(jnp.abs(a.astype(jnp.float32) - b).max() / (jnp.abs(b).max() + 1e-6))
+                   for a, b in zip(grads, ref))
     res[name] = dict(out_err=out_err, grad_err=grad_err)
 print(json.dumps(res))
 """

@@ -49,7 +49,8 @@ def test_kernel_path_through_ffi_matches_reference(family, d):
     try:
         q, k, v, cu_q, cu_k = _packed(1, d=d)
         kw = dict(max_seqlen_q=9, max_seqlen_k=9, family=family, scale=0.1, causal=True)
-        f = lambda q, k, v: (varlen_attention(q, k, v, cu_q, cu_k, backend="kernel", **kw).astype(jnp.float32) ** 2).sum()  # noqa: E731
+        f = lambda q, k, v: (varlen_attention(q, k, v, cu_q, cu_k, backend="kernel",  # noqa: E731
+                                              **kw).astype(jnp.float32) ** 2).sum()
         r = lambda q, k, v: (varlen_attention(q, k, v, cu_q, cu_k, backend="reference", **kw) ** 2).sum()  # noqa: E731
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         np.testing.assert_allclose(jax.jit(f)(q, k, v), r(*f32), rtol=2e-3)
@@ -73,7 +74,8 @@ def test_packed_attention_equals_each_document_alone():
     q, k, v = (jax.random.normal(kk, (2, 8, 2, 16)) for kk in (k1, k2, k3))
     out = packed_attention(q, k, v, seg, max_segments=6, scale=0.3, backend="reference")
     for row, a, b in ((0, 0, 3), (0, 3, 5), (1, 0, 6), (1, 6, 8)):
-        alone, _ = attention_reference(q[row:row + 1, a:b], k[row:row + 1, a:b], v[row:row + 1, a:b], scale=0.3, causal=True)
+        alone, _ = attention_reference(q[row:row + 1, a:b], k[row:row + 1, a:b], v[row:row + 1, a:b], scale=0.3,
+                                       causal=True)
         np.testing.assert_allclose(out[row, a:b], alone[0], atol=1e-5)
     assert (out[0, 5:] == 0).all()  # padding
     g = jax.grad(lambda q: packed_attention(q, k, v, seg, max_segments=6, scale=0.3, backend="reference").sum())(q)
@@ -134,4 +136,5 @@ def test_string_scale_is_named():
     q = jnp.zeros((6, 2, 128), jnp.float16)
     cu = jnp.array([0, 6], jnp.int32)
     with pytest.raises(TypeError, match="scale"):
-        varlen_attention(q, q, q, cu, cu, max_seqlen_q=6, max_seqlen_k=6, family="fa4", scale="0.1", backend="reference")
+        varlen_attention(q, q, q, cu, cu, max_seqlen_q=6, max_seqlen_k=6, family="fa4", scale="0.1",
+                         backend="reference")

@@ -32,7 +32,8 @@ def _ids(n, seed=1):
 def test_packed_documents_equal_each_document_alone(kernels, route, caplog):
     ids = _ids(sum(LENGTHS))
     with caplog.at_level(logging.WARNING):
-        errs = gp.compare(gp.packed_runs(ids, LENGTHS, route, "cpu"), gp.packed_runs(ids, LENGTHS, "position_ids", "cpu"),
+        errs = gp.compare(gp.packed_runs(ids, LENGTHS, route, "cpu"),
+                          gp.packed_runs(ids, LENGTHS, "position_ids", "cpu"),
                           gp.alone_runs(ids, LENGTHS, "cpu"), "cpu", torch.bfloat16, sum(LENGTHS))
     print(gp.summary(errs, f"packed ({route})"))
     assert "ffpa fallback" not in caplog.text

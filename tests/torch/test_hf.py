@@ -77,7 +77,8 @@ class _Module(torch.nn.Module):
 def _sdpa_ref(q, k, v, mask4d, scale):
     g = q.shape[1] // k.shape[1]
     o = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1), attn_mask=mask4d, scale=scale)
+        q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1), attn_mask=mask4d,
+        scale=scale)
     return o.transpose(1, 2)
 
 

@@ -97,7 +97,8 @@ def _gemma_worker(rank, world, port, path):
     for n, mode in ((256, "context"), (96, "setup")):  # chunk 64 > window 5; chunk 24
         ids = torch.randint(0, 96, (2, n), generator=torch.Generator().manual_seed(n)).cuda()
         labels = gemma_cp.targets(ids)
-        truth_loss, truth = gemma_cp.step(gemma_cp.build("sdpa", torch.float64, "cuda", weights_dtype=torch.bfloat16), ids, labels)
+        truth_loss, truth = gemma_cp.step(gemma_cp.build("sdpa", torch.float64, "cuda", weights_dtype=torch.bfloat16),
+                                          ids, labels)
         one_loss, one = gemma_cp.step(gemma_cp.build("ffpa", torch.bfloat16, "cuda"), ids, labels)
         loss, grads = gemma_cp.sharded_step(gemma_cp.build("ffpa", torch.bfloat16, "cuda"), ids, mode=mode)
         res[f"{n}-{mode}"] = dict(

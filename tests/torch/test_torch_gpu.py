@@ -54,7 +54,8 @@ def test_packed_batch_equals_each_document_alone():
     pos = torch.cat([torch.arange(40), torch.arange(56)])[None].cuda()
     out, _ = fa.ffpa_attention_forward(torch.nn.Module(), q, k, v, None, scaling=1.0, position_ids=pos)
     for a, b in ((0, 40), (40, 96)):
-        alone, _ = fa.ffpa_attention_forward(torch.nn.Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, scaling=1.0)
+        alone, _ = fa.ffpa_attention_forward(torch.nn.Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None,
+                                             scaling=1.0)
         assert rel_err(out[:, a:b], alone.double()) < 1e-2
 
 

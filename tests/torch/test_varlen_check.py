@@ -85,7 +85,8 @@ def test_checked_mode_reads_the_host_once(monkeypatch):
     reads = []
     for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__index__"):
         real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real, **k: reads.append(_n) or _r(self, *a, **k))
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real,
+                            **k: reads.append(_n) or _r(self, *a, **k))
     cu_q, cu_k = torch.tensor(GOOD_Q, dtype=I32), torch.tensor(GOOD_K, dtype=I32)
     tvc.check_cu_seqlens(cu_q, cu_k, TQ, TK, MAXQ, MAXK)
     assert reads == ["tolist"]

@@ -186,7 +186,8 @@ def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
 
 
 def ffpa_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
-             window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+             window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q: int | None = None,
              max_seqlen_k: int | None = None, workspace=None, stream: int | None = None,
              check_inputs: bool | None = None) -> None:
     """FFPA backward: writes dq ``[.., Hq, D]``, dk/dv ``[.., Hkv, D]`` (reduced over each GQA group).
@@ -220,7 +221,8 @@ def fa4_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
 
 
 def fa4_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool = False,
-            window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+            window_size: tuple[int | None, int | None] = (None, None), cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q: int | None = None,
             max_seqlen_k: int | None = None, workspace=None, stream: int | None = None,
             check_inputs: bool | None = None) -> None:
     """FlashAttention-4 backward: writes dq, dk, dv (dk/dv reduced over each GQA group).

@@ -39,7 +39,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes", "route_table",
+__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes",
+           "route_table",
            "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
            "varlen_workspace_bytes"]
 

@@ -18,7 +18,8 @@ import numbers
 from dataclasses import dataclass, field
 from importlib import metadata
 
-__all__ = ["KernelSpec", "supports", "family_for", "canonical_mask", "window_side", "library_versions", "FAMILIES", "DTYPES"]
+__all__ = ["KernelSpec", "supports", "family_for", "canonical_mask", "window_side", "library_versions", "FAMILIES",
+           "DTYPES"]
 
 FAMILIES = ("ffpa", "fa4")
 DIRECTIONS = ("fwd", "bwd")

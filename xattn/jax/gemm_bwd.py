@@ -46,8 +46,8 @@ def _rows_to_blocks(x, hkv: int, rows: int, padded: int):
 
 
 def _blocks_to_rows(xp, b: int, n: int, hq: int, rows: int):
-    l, c, _, d = xp.shape
-    hkv, g = l // b, hq // (l // b)
+    batches, c, _, d = xp.shape
+    hkv, g = batches // b, hq // (batches // b)
     x = xp.reshape(b, hkv, c, rows, g, d).transpose(0, 2, 3, 1, 4, 5)
     return x.reshape(b, c * rows, hq, d)[:, :n]
 

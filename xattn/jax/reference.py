@@ -105,7 +105,8 @@ def attention_reference_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bo
     m = visible(nq, nk, causal, window) if mask is None else mask
     m = jnp.broadcast_to(jnp.broadcast_to(m if m.ndim == 3 else m[None], (b, nq, nk))[:, None, None], s.shape)
     lse_g = lse.astype(f32).reshape(b, hkv, g, nq)[..., None]
-    p = jnp.where(m & jnp.isfinite(lse_g), jnp.exp(jnp.where(m, s, 0.0) - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)), 0.0)
+    p = jnp.where(m & jnp.isfinite(lse_g), jnp.exp(jnp.where(m, s, 0.0) - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)),
+                  0.0)
     dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dof)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dof, v.astype(f32))
     delta = jnp.einsum("bqhgd,bqhgd->bhgq", dof, out.astype(f32).reshape(dof.shape))[..., None]

@@ -104,7 +104,8 @@ def _fwd(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
         return out[0], lse[0]
     spec = c.spec("fwd", q, k, v, varlen=True)
     if q.shape[0] == 0 or k.shape[0] == 0:  # no query token, or no key in any segment: no launch
-        return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype), jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
+        return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype), jnp.full((q.shape[1], q.shape[0]), -jnp.inf,
+                                                                         jnp.float32)
     outs = [("out", (*q.shape[:2], v.shape[-1]), q.dtype), ("lse", (q.shape[1], q.shape[0]), "float32")]
     out, lse = _ffi.call(spec, [q, k, v, cu_q, cu_k], outs, [], c.scale, vmap_method="sequential")
     return out, lse

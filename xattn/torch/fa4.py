@@ -18,11 +18,11 @@ Layouts:
   those functions themselves.
 
 Document ids are integer tensors ``[batch, sequence]``: documents numbered from 1, ids ``<= 0`` for padding
-(``_PAD_DOC_ID``, 0, as NeMo writes them; -1 too). Every run of equal ids in a row is one varlen segment, cut where the local query shard ends, so
-a query at global position ``p`` sees exactly the keys of its run up to ``p``: FA4's causal mask is
-aligned to the bottom-right corner of each segment. Segments without local queries keep their keys, so
-the key segments tile the flattened ``[batch * key_sequence]`` tensor and nothing is gathered. Padding
-queries return zeros.
+(``_PAD_DOC_ID``, 0, as NeMo writes them; -1 too). Every run of equal ids in a row is one varlen segment, cut
+where the local query shard ends, so a query at global position ``p`` sees exactly the keys of its run up to
+``p``: FA4's causal mask is aligned to the bottom-right corner of each segment. Segments without local queries
+keep their keys, so the key segments tile the flattened ``[batch * key_sequence]`` tensor and nothing is
+gathered. Padding queries return zeros.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ from xattn.core.spec import family_for
 
 from . import cp_group, hf_fallback
 from .attention import attention, attention_with_lse, default_family
-from .hf_masks import KernelMask, Pattern, PlannedMask, describe, hf_window, plan_hf_mask, plan_without_mask, window_mask
+from .hf_masks import (KernelMask, Pattern, PlannedMask, describe, hf_window, plan_hf_mask, plan_without_mask,
+                       window_mask)
 from .ops import bwd as _bwd_op
 from .ring import ring_attention
 
@@ -261,7 +262,8 @@ def _sharded_plan(pattern, mask_function, args) -> KernelMask:
     """The plan of a context-parallel forward: the layer's window on global positions (the shard's
     restarting ``position_ids`` are the layout, not documents). Raises for what cannot run sharded."""
     if pattern is None:
-        raise NotImplementedError(f"context parallelism: the mask {getattr(mask_function, '__qualname__', mask_function)}"
+        name = getattr(mask_function, "__qualname__", mask_function)
+        raise NotImplementedError(f"context parallelism: the mask {name}"
                                   " is not a causal, sliding-window or bidirectional pattern")
     keep = args["attention_mask"]
     if keep is not None and not bool(keep.all()):
