@@ -321,3 +321,26 @@ def test_empty_or_keyless_calls_launch_nothing(c, standin):
     loss = lambda q, k, v: _call(name, q, k, v, dict(kw)).astype(jnp.float32).sum()  # noqa: E731
     jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(*args))
     assert numpy_launcher.CALLS == []
+
+
+def test_kernel_backend_without_a_gpu_says_so_before_compiling(monkeypatch):
+    """On a machine without a GPU, backend='kernel' names the problem at once (it used to compile for
+    seconds, then fail with XLA's NOT_FOUND for a handler on the Host platform)."""
+    from xattn.jax import _ffi
+
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a GPU is present")
+    compiled = []
+    monkeypatch.setattr("xattn.core.get_launcher", lambda spec: compiled.append(spec))
+    _ffi.set_launcher_provider(None)
+    z = jnp.zeros((1, 8, 4, 512), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match="backend='kernel' needs a CUDA GPU"):
+        xj.ffpa_attention(z, z, z, backend="kernel")
+    assert compiled == []
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_gqa_groups_are_checked_on_every_backend(backend):
+    q, kv = jnp.zeros((1, 8, 4, 512), jnp.bfloat16), jnp.zeros((1, 8, 3, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="Hkv=3 must divide Hq=4"):
+        xj.ffpa_attention(q, kv, kv, backend=backend)

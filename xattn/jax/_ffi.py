@@ -22,6 +22,7 @@ more GPUs visible they run outside command buffers; :func:`capture_allowed` says
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Callable
 
@@ -66,7 +67,18 @@ def _jax_tvm_ffi():
     return jax_tvm_ffi
 
 
+@functools.cache
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
 def _default_provider(spec: KernelSpec):
+    if not _has_gpu():  # before compiling for seconds, only to fail at run time without a GPU handler
+        raise RuntimeError(f"backend='kernel' needs a CUDA GPU, but JAX sees only {jax.default_backend()} "
+                           "devices; use backend='auto' (the reference off-GPU) or 'reference'")
     from xattn.core import get_launcher
 
     return get_launcher(spec).function, "gpu"

@@ -118,6 +118,8 @@ def check_dense(q, k, v) -> None:
     if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k/v: expected [B, Nk, Hkv, D] / [B, Nk, Hkv, Dv] matching q {q.shape}; "
                          f"got {k.shape}, {v.shape}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"k: Hkv={k.shape[2]} must divide Hq={q.shape[2]} (grouped-query attention)")
 
 
 # --- kernels through XLA FFI, with vmap folded into the batch dim (one launch) -------------
