@@ -59,10 +59,10 @@ def _flatten(query, key, value):
         raise ValueError(f"key/value: leading dims {k.shape[:-3]}, {v.shape[:-3]} differ from query's {lead}")
     b = math.prod(lead)  # not -1: a reshape cannot infer it when T, S or B is 0
     q, k, v = (x.reshape(b, *x.shape[-3:]) for x in (q, k, v))
-    check_dense(q, k, v)
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:  # jax.nn's names, before check_dense's
         raise ValueError(f"key: the number of query heads ({q.shape[2]}) must be a multiple of key/value heads "
                          f"({k.shape[2]})")
+    check_dense(q, k, v)
     return q, k, v, lead
 
 
