@@ -108,7 +108,25 @@ def test_sdpa_layout_view_is_accepted_up_to_the_device_check():
                                         (True, TypeError), ("0.1", TypeError)])
 def test_bad_softmax_scale(scale, exc):
     with raises(exc, "softmax_scale"):
-        xc.checks._check_scale(scale)
+        xc.checks.check_scale(scale)
+
+
+def test_one_scale_check_for_every_front_end():
+    """The core's check under each ecosystem's name: None -> 1/sqrt(D) where a head dim is given,
+    NumPy scalars are numbers, torch's front end also takes what float() takes."""
+    import numpy as np
+
+    assert xc.checks.check_scale(None, head_dim=64) == 0.125
+    assert xc.checks.check_scale(np.float32(0.5)) == 0.5
+    with raises(ValueError, "scale: expected a finite positive float"):
+        xc.checks.check_scale(0.0, name="scale")
+    with raises(TypeError, "scale: expected a Python float, got list"):
+        xc.checks.check_scale([0.5], name="scale")
+    import torch
+
+    assert xc.checks.check_scale(torch.tensor(0.25), convert=True) == 0.25
+    with raises(TypeError, "softmax_scale"):
+        xc.checks.check_scale(torch.tensor(0.25))
 
 
 def test_bad_causal_and_stream():

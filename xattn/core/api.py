@@ -36,7 +36,7 @@ from __future__ import annotations
 import tvm_ffi
 
 from .cache import get_launcher
-from .checks import (Problem, _check_scale, as_tensor, check_attention, check_layout_sizes, check_window,
+from .checks import (Problem, as_tensor, check_scale, check_attention, check_layout_sizes, check_window,
                      check_workspace, quick_check)
 from .spec import KernelSpec, canonical_mask, supports
 from .varlen_check import check_host, checking
@@ -119,7 +119,7 @@ def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seql
     causal, window = _canonical(causal, window)
     if stream is not None:
         _check_stream(stream)
-    scale = _check_scale(softmax_scale)
+    scale = check_scale(softmax_scale)
     raw = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
 
@@ -137,7 +137,7 @@ def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_
     causal, window = _canonical(causal, window)
     if stream is not None:
         _check_stream(stream)
-    scale = _check_scale(softmax_scale)
+    scale = check_scale(softmax_scale)
     raw = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     workspace = None if workspace is None else list(workspace)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import tvm_ffi
@@ -105,12 +106,23 @@ def _spec(*fields) -> tuple[KernelSpec, str | None]:
     return spec, supports(spec)
 
 
-def _check_scale(softmax_scale) -> float:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale: expected a Python float, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale}")
-    return float(softmax_scale)
+def check_scale(value, *, name: str = "softmax_scale", head_dim: int | None = None, convert: bool = False) -> float:
+    """The one scale check of every front end: ``value`` as a Python float, or a TypeError /
+    ValueError naming ``name`` (FlashAttention's ``softmax_scale``; jax.nn's ``scale``) unless it is
+    a finite positive real number (never a bool or a string). ``None`` means ``1/sqrt(head_dim)``
+    where a ``head_dim`` is given (head_dim 0: the spec check names the unsupported dim).
+    ``convert``: also take what ``float()`` takes (a 0-d torch tensor; torch's front end)."""
+    if value is None and head_dim is not None:
+        return 1.0 / math.sqrt(max(head_dim, 1))
+    if isinstance(value, (bool, str, bytes)) or not (convert or isinstance(value, numbers.Real)):
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}") from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name}: expected a finite positive float, got {value!r}")
+    return scale
 
 
 def check_sizes(q_shape, k_shape, v_shape, varlen: bool) -> None:

@@ -17,7 +17,7 @@ _KERNEL_MODULES = {"ffpa": "ffpa_attn", "fa4": "flash_attn"}
 _GLUE_MODULES = ("cutlass", "tvm_ffi", "quack")
 
 
-def _missing(modules) -> list[str]:
+def missing_modules(modules) -> list[str]:
     out = []
     for m in modules:
         try:
@@ -33,7 +33,7 @@ def collect() -> dict:
     gpus = cuda_gpus()
     families = {}
     for fam, module in _KERNEL_MODULES.items():
-        missing = _missing((*_GLUE_MODULES, module))
+        missing = missing_modules((*_GLUE_MODULES, module))
         if missing:
             run = compile_ = f"missing Python modules: {', '.join(missing)} (pip install xattn)"
         else:

@@ -150,7 +150,7 @@ def _varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # older jax
 
 
-def _match_varying(results, inputs):
+def match_varying(results, inputs):
     """Inside shard_map, custom-call results carry no varying-axis type: give them the inputs'.
 
     Without it a custom_vjp backward returns cotangents typed unlike its primals and fails.
@@ -184,7 +184,7 @@ def call(spec: KernelSpec, inputs, outputs, workspace, softmax_scale: float, vma
             *inputs, *initial, softmax_scale=scale)
     else:
         res = jax.ffi.ffi_call(_target(spec, False), result, **kw)(*inputs, softmax_scale=scale)
-    return _match_varying(res[: len(outputs)], inputs)
+    return match_varying(res[: len(outputs)], inputs)
 
 
 def _gemm_target(spec, attr_names: tuple) -> str:
@@ -206,4 +206,4 @@ def call_gemm(spec, inputs, results, attrs: dict, aliases: dict):
     """
     result = [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for s, d in results]
     res = jax.ffi.ffi_call(_gemm_target(spec, tuple(attrs)), result, input_output_aliases=aliases)(*inputs, **attrs)
-    return _match_varying(res, inputs)
+    return match_varying(res, inputs)

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import numbers
 from dataclasses import dataclass, field
 
 import jax
@@ -30,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
 from xattn.core import gemm_bwd as _gemm_route
-from xattn.core.checks import check_layout_sizes, check_sizes
+from xattn.core.checks import check_layout_sizes, check_scale, check_sizes
 from xattn.core.spec import KernelSpec, canonical_mask, supports
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -47,16 +45,9 @@ RESIDUAL_NAMES = ("xattn_q", "xattn_k", "xattn_v", "xattn_out", "xattn_lse")
 
 
 def static_scale(scale, head_dim: int) -> float:
-    """``scale`` as a static float (``None``: ``1/sqrt(head_dim)``); TypeError/ValueError naming it
-    unless it is a finite positive number (what the kernels take; the reference keeps the same contract)."""
-    if scale is None:
-        return 1.0 / math.sqrt(max(head_dim, 1))  # head_dim 0: the spec check names the unsupported dim
-    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a static Python float, got {type(scale).__name__}")
-    value = float(scale)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"scale: expected a finite positive float, got {scale!r}")
-    return value
+    """``scale`` as a static float (``None``: ``1/sqrt(head_dim)``): the core's one scale check
+    (:func:`xattn.core.checks.check_scale`) under jax.nn's name; a traced array is refused by name."""
+    return check_scale(scale, name="scale", head_dim=head_dim)
 
 
 @dataclass(frozen=True)
@@ -180,14 +171,14 @@ def _kernels(cfg: Config):
     return (_fold_batch(functools.partial(_fwd_call, cfg)), _fold_batch(functools.partial(_bwd_call, cfg)))
 
 
-def _forward(cfg: Config, q, k, v):
+def forward_call(cfg: Config, q, k, v):
     if cfg.backend == "reference":
         return attention_reference(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window)
     out, lse = _kernels(cfg)[0](q, k, v)
     return out, lse
 
 
-def _backward(cfg: Config, dout, q, k, v, out, lse):
+def backward_call(cfg: Config, dout, q, k, v, out, lse):
     if cfg.backend == "reference":
         return attention_reference_bwd(dout, q, k, v, out, lse, scale=cfg.scale, causal=cfg.causal,
                                        window=cfg.window)
@@ -199,18 +190,18 @@ def _backward(cfg: Config, dout, q, k, v, out, lse):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: Config, q, k, v):
-    return _forward(cfg, q, k, v)[0]
+    return forward_call(cfg, q, k, v)[0]
 
 
 def _attention_fwd(cfg: Config, q, k, v):
-    out, lse = _forward(cfg, q, k, v)
+    out, lse = forward_call(cfg, q, k, v)
     res = tuple(checkpoint_name(x, n) for x, n in zip((q, k, v, out, lse), RESIDUAL_NAMES))
     return out, res
 
 
 def _attention_bwd(cfg: Config, res, dout):
     q, k, v, out, lse = res
-    return _backward(cfg, dout, q, k, v, out, lse)
+    return backward_call(cfg, dout, q, k, v, out, lse)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -259,23 +250,23 @@ def flash_attention(q, k, v, *, scale: float | None = None, causal: bool = False
 def ffpa_fwd(q, k, v, *, scale: float, causal: bool = False, backend: str = "auto"):
     """``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``; not differentiable (see :func:`ffpa_bwd`)."""
     check_dense(q, k, v)
-    return _forward(_config("ffpa", q, scale, causal, (None, None), backend), q, k, v)
+    return forward_call(_config("ffpa", q, scale, causal, (None, None), backend), q, k, v)
 
 
 def ffpa_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool = False, backend: str = "auto"):
     """``(dq, dk, dv)`` using exactly the supplied ``out``/``lse`` (e.g. ring-merged ones)."""
     check_dense(q, k, v)
-    return _backward(_config("ffpa", q, scale, causal, (None, None), backend), dout, q, k, v, out, lse)
+    return backward_call(_config("ffpa", q, scale, causal, (None, None), backend), dout, q, k, v, out, lse)
 
 
 def fa4_fwd(q, k, v, *, scale: float, causal: bool = False, window_size=(None, None), backend: str = "auto"):
     """FA4 ``(out, lse)``; see :func:`ffpa_fwd`."""
     check_dense(q, k, v)
-    return _forward(_config("fa4", q, scale, causal, window_size, backend), q, k, v)
+    return forward_call(_config("fa4", q, scale, causal, window_size, backend), q, k, v)
 
 
 def fa4_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool = False, window_size=(None, None),
             backend: str = "auto"):
     """FA4 ``(dq, dk, dv)`` from the supplied out/lse; see :func:`ffpa_bwd`."""
     check_dense(q, k, v)
-    return _backward(_config("fa4", q, scale, causal, window_size, backend), dout, q, k, v, out, lse)
+    return backward_call(_config("fa4", q, scale, causal, window_size, backend), dout, q, k, v, out, lse)

@@ -30,8 +30,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from xattn.core.spec import FA4_HEAD_DIMS, canonical_mask, family_for
 
-from .attention import RESIDUAL_NAMES, Config, _backward, _forward, check_dense, resolve_backend, static_scale
-from .varlen import VarlenConfig, _bwd as _varlen_bwd, _fwd as _varlen_fwd
+from .attention import RESIDUAL_NAMES, Config, backward_call, forward_call, check_dense, resolve_backend, static_scale
+from .varlen import VarlenConfig, varlen_backward_call, varlen_forward_call
 
 __all__ = ["dot_product_attention"]
 
@@ -110,7 +110,7 @@ def _per_head(x, name: str, lead: tuple, n: int, t: int, s: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _with_lse(cfg, q, k, v, *cu):
     """``(out, lse)``; like jax.nn's residual, lse carries no gradient (its cotangent is dropped)."""
-    return _varlen_fwd(cfg, q, k, v, *cu) if cu else _forward(cfg, q, k, v)
+    return varlen_forward_call(cfg, q, k, v, *cu) if cu else forward_call(cfg, q, k, v)
 
 
 def _with_lse_fwd(cfg, q, k, v, *cu):
@@ -122,7 +122,10 @@ def _with_lse_fwd(cfg, q, k, v, *cu):
 def _with_lse_bwd(cfg, res, cts):
     (q, k, v, out, lse), cu = res
     dout = cts[0]
-    grads = _varlen_bwd(cfg, dout, q, k, v, out, lse, *cu) if cu else _backward(cfg, dout, q, k, v, out, lse)
+    if cu:
+        grads = varlen_backward_call(cfg, dout, q, k, v, out, lse, *cu)
+    else:
+        grads = backward_call(cfg, dout, q, k, v, out, lse)
     return (*grads, *(None for _ in cu))
 
 

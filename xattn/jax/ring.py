@@ -48,7 +48,7 @@ from xattn.core.ring_layout import chunk_length, chunks_of, edge_widths, halo_pl
 from xattn.core.spec import FA4_HEAD_DIMS, canonical_mask, family_for
 
 from . import _ffi
-from .attention import RESIDUAL_NAMES, Config, _backward, _forward, check_dense, resolve_backend
+from .attention import RESIDUAL_NAMES, Config, backward_call, forward_call, check_dense, resolve_backend
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "sequence_positions"]
 
@@ -155,14 +155,14 @@ def _merge(out, lse, part, part_lse):
 def _fwd_step(cfg: RingConfig, s: int, rank, q, k, v):
     """``(out, lse)`` of the local queries on the block of device ``r - s`` (shapes of the full local q)."""
     if s == 0 or not cfg.causal:
-        return _forward(cfg.attn(causal=cfg.causal and s == 0), q, k, v)
+        return forward_call(cfg.attn(causal=cfg.causal and s == 0), q, k, v)
     half = q.shape[1] // 2
 
     def early(q, k, v):  # src < r: all local queries, the block's first chunk
-        return _forward(cfg.attn(), q, k[:, :half], v[:, :half])
+        return forward_call(cfg.attn(), q, k[:, :half], v[:, :half])
 
     def late(q, k, v):  # src > r: the second local chunk, the whole block
-        out, lse = _forward(cfg.attn(), q[:, half:], k, v)
+        out, lse = forward_call(cfg.attn(), q[:, half:], k, v)
         return _pad_seq(out, half, 0), _pad_seq(lse, half, 0, axis=2, value=-jnp.inf)
 
     return lax.cond(s <= rank, early, late, q, k, v)
@@ -171,15 +171,15 @@ def _fwd_step(cfg: RingConfig, s: int, rank, q, k, v):
 def _bwd_step(cfg: RingConfig, s: int, rank, dout, q, k, v, out, lse):
     """``(dq, dk, dv)`` of step s with the merged out/lse (shapes of the local q and block)."""
     if s == 0 or not cfg.causal:
-        return _backward(cfg.attn(causal=cfg.causal and s == 0), dout, q, k, v, out, lse)
+        return backward_call(cfg.attn(causal=cfg.causal and s == 0), dout, q, k, v, out, lse)
     half = q.shape[1] // 2
 
     def early(dout, q, k, v, out, lse):
-        dq, dk, dv = _backward(cfg.attn(), dout, q, k[:, :half], v[:, :half], out, lse)
+        dq, dk, dv = backward_call(cfg.attn(), dout, q, k[:, :half], v[:, :half], out, lse)
         return dq, _pad_seq(dk, 0, half), _pad_seq(dv, 0, half)
 
     def late(dout, q, k, v, out, lse):
-        dq, dk, dv = _backward(cfg.attn(), dout[:, half:], q[:, half:], k, v, out[:, half:], lse[..., half:])
+        dq, dk, dv = backward_call(cfg.attn(), dout[:, half:], q[:, half:], k, v, out[:, half:], lse[..., half:])
         return _pad_seq(dq, half, 0), dk, dv
 
     return lax.cond(s <= rank, early, late, dout, q, k, v, out, lse)
@@ -257,7 +257,7 @@ def _halo_forward(cfg: RingConfig, q, k, v):
         outs, lses = [], []
         for slot, window, pl, pr in _slots(cfg, r, chunk):
             kv = [_extend(x, slot, chunk, pl, pr, tails and tails[i], heads and heads[i]) for i, x in enumerate((k, v))]
-            out, lse = _forward(cfg.attn(window=window), q[:, slot * chunk:(slot + 1) * chunk], *kv)
+            out, lse = forward_call(cfg.attn(window=window), q[:, slot * chunk:(slot + 1) * chunk], *kv)
             outs.append(out)
             lses.append(lse)
         return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
@@ -272,13 +272,13 @@ def _halo_backward(cfg: RingConfig, dout, q, k, v, out, lse):
 
     def branch(r, dout, q, k, v, out, lse, tails, heads):
         def zeros(bufs):  # typed varying like q: every switch branch must return the same types
-            return None if bufs is None else _ffi._match_varying([jnp.zeros(bufs[0].shape, _F32)], [q])[0]
+            return None if bufs is None else _ffi.match_varying([jnp.zeros(bufs[0].shape, _F32)], [q])[0]
         halo_grads = [[zeros(tails), zeros(heads)] for _ in range(2)]  # [dk, dv] x [tails, heads]
         dq, dkv = [], [[], []]
         for slot, window, pl, pr in _slots(cfg, r, chunk):
             rows = slice(slot * chunk, (slot + 1) * chunk)
             kv = [_extend(x, slot, chunk, pl, pr, tails and tails[i], heads and heads[i]) for i, x in enumerate((k, v))]
-            g = _backward(cfg.attn(window=window), dout[:, rows], q[:, rows], *kv, out[:, rows], lse[..., rows])
+            g = backward_call(cfg.attn(window=window), dout[:, rows], q[:, rows], *kv, out[:, rows], lse[..., rows])
             dq.append(g[0])
             hl = sum(hi - lo for *_, lo, hi in pl)
             for i in range(2):

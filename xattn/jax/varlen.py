@@ -96,7 +96,7 @@ def _check_values(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q, max_seql
     return cu_q, cu_k
 
 
-def _fwd(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
+def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
     c = cfg.base
     if c.backend == "reference":
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
@@ -111,7 +111,7 @@ def _fwd(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
     return out, lse
 
 
-def _bwd(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):
+def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):
     c = cfg.base
     if c.backend == "reference":
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
@@ -175,18 +175,18 @@ def _padded_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _varlen(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
-    return _fwd(cfg, q, k, v, cu_q, cu_k)[0]
+    return varlen_forward_call(cfg, q, k, v, cu_q, cu_k)[0]
 
 
 def _varlen_fwd_rule(cfg, q, k, v, cu_q, cu_k):
-    out, lse = _fwd(cfg, q, k, v, cu_q, cu_k)
+    out, lse = varlen_forward_call(cfg, q, k, v, cu_q, cu_k)
     res = tuple(checkpoint_name(x, n) for x, n in zip((q, k, v, out, lse), RESIDUAL_NAMES))
     return out, (*res, cu_q, cu_k)
 
 
 def _varlen_bwd_rule(cfg, res, dout):
     q, k, v, out, lse, cu_q, cu_k = res
-    return (*_bwd(cfg, dout, q, k, v, out, lse, cu_q, cu_k), None, None)
+    return (*varlen_backward_call(cfg, dout, q, k, v, out, lse, cu_q, cu_k), None, None)
 
 
 _varlen.defvjp(_varlen_fwd_rule, _varlen_bwd_rule)
@@ -261,7 +261,7 @@ def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int, max_se
     ``check_inputs`` as in :func:`varlen_attention`."""
     cfg, cu_seqlens_q, cu_seqlens_k = _checked_config(q, k, v, cu_seqlens_q, cu_seqlens_k, family, scale, causal,
                                                       window_size, backend, max_seqlen_q, max_seqlen_k, check_inputs)
-    return _fwd(cfg, q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return varlen_forward_call(cfg, q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
 def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
@@ -270,7 +270,7 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqle
     """``(dq, dk, dv)`` using exactly the supplied out/lse; ``check_inputs`` as in :func:`varlen_attention`."""
     cfg, cu_seqlens_q, cu_seqlens_k = _checked_config(q, k, v, cu_seqlens_q, cu_seqlens_k, family, scale, causal,
                                                       window_size, backend, max_seqlen_q, max_seqlen_k, check_inputs)
-    return _bwd(cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    return varlen_backward_call(cfg, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
 
 
 def segment_ids_to_cu_seqlens(segment_ids, max_segments: int):

@@ -22,12 +22,11 @@ an FA4 backward raises torch's RuntimeError naming the op; with ``warn_only=True
 
 from __future__ import annotations
 
-import math
 
 import torch
 from numpy import bool_ as np_bool
 
-from xattn.core.checks import _check_scale
+from xattn.core.checks import check_scale
 from xattn.core.spec import canonical_mask, family_for
 
 from .ops import attention_op
@@ -50,15 +49,7 @@ def _input(name: str, t) -> torch.Tensor:
 
 
 def _scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(max(head_dim, 1))  # head_dim 0: the core names the unsupported dim
-    if isinstance(softmax_scale, (bool, str, bytes)):
-        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
-    try:
-        value = float(softmax_scale)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}") from None
-    return _check_scale(value)  # ValueError unless finite and > 0
+    return check_scale(softmax_scale, head_dim=head_dim, convert=True)  # a 0-d tensor too
 
 
 def _mask_args(causal, window_size):

@@ -40,7 +40,7 @@ import torch
 
 from xattn.core.checks import check_window
 from xattn.core.device import prepare_dsl_environment
-from xattn.core.info import _missing
+from xattn.core.info import missing_modules
 from xattn.core.spec import window_side
 
 from .attention import attention, attention_with_lse
@@ -95,7 +95,7 @@ _SERVED = frozenset({"q", "k", "v", "softmax_scale", "causal", "window_size", "r
 
 
 def _missing_packages() -> list[str]:
-    return _missing(_FA4_PACKAGES)
+    return missing_modules(_FA4_PACKAGES)
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 import xattn.core as xc
-from xattn.core.checks import _check_scale, check_attention, check_layout_sizes, check_sizes
+from xattn.core.checks import check_attention, check_layout_sizes, check_scale, check_sizes
 from xattn.core import gemm_bwd as _gemm_route
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
@@ -88,7 +88,7 @@ def _no_keys(q, k, varlen: bool) -> bool:
 
 def _check_no_keys(direction, family, buffers, spec, softmax_scale, kw) -> None:
     """Validate a call without keys as the core validates any other (its result is written here)."""
-    _check_scale(softmax_scale)
+    check_scale(softmax_scale)
     check_attention(family, direction, buffers, spec.causal, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
                     kw.get("max_seqlen_q"), kw.get("max_seqlen_k"), (spec.window_left, spec.window_right),
                     allow_no_keys=True)
@@ -99,7 +99,7 @@ def _fwd_shapes(q, v, varlen):
     return (*q.shape[:-1], v.shape[-1]), lse
 
 
-def _fwd_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
               max_seqlen_q, max_seqlen_k):
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
@@ -122,7 +122,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: float, caus
         window_left: int, window_right: int, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:
     """Attention forward: returns ``(out, lse)``; see the module docstring for layouts."""
-    return _fwd_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
+    return forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
@@ -172,7 +172,7 @@ def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
     return _LengthsCopy(cu_q, cu_k)
 
 
-def _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
+def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefetched=None):
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
@@ -235,7 +235,7 @@ def _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths=No
 
     check_attention(family, "bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), causal,
                     *varlen_args)
-    scale = _check_scale(softmax_scale)
+    scale = check_scale(softmax_scale)
     if lengths is not None:
         return gemm_backward_varlen(dout, q, k, v, out, lse, *lengths, softmax_scale=scale, causal=causal)
     return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
@@ -247,7 +247,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
         max_seqlen_k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Attention backward from the given ``out``/``lse``: returns ``(dq, dk, dv)`` (dk/dv per kv head)."""
-    return _bwd_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
+    return backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
@@ -282,7 +282,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, params):
         family, scale, causal, wl, wr, max_q, max_k = params
-        out, lse = _fwd_impl(q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k)
+        out, lse = forward_impl(q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.params = params
@@ -295,7 +295,7 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         family, scale, causal, wl, wr, max_q, max_k = ctx.params
-        grads = _bwd_impl(dout.contiguous(), q, k, v, out, lse, family, scale, causal, wl, wr, cu_q, cu_k,
+        grads = backward_impl(dout.contiguous(), q, k, v, out, lse, family, scale, causal, wl, wr, cu_q, cu_k,
                           max_q, max_k, ctx.lengths)
         return (*grads, None, None, None)
 

@@ -143,10 +143,10 @@ class _Params:
         self.left, self.right = left, right
 
     def fwd(self, q, k, v, causal, left=-1, right=-1):
-        return ops._fwd_impl(q, k, v, self.family, self.scale, causal, left, right, None, None, 0, 0)
+        return ops.forward_impl(q, k, v, self.family, self.scale, causal, left, right, None, None, 0, 0)
 
     def bwd(self, dout, q, k, v, out, lse, causal, left=-1, right=-1):
-        return ops._bwd_impl(dout, q, k, v, out, lse.contiguous(), self.family, self.scale, causal, left, right,
+        return ops.backward_impl(dout, q, k, v, out, lse.contiguous(), self.family, self.scale, causal, left, right,
                              None, None, 0, 0)
 
 
