@@ -58,3 +58,10 @@ def test_torch_example_runs():
     exec(compile(code, "README.md (torch)", "exec"), scope)
     assert scope["out"].shape == (2, 256, 32, 512) and scope["packed"].shape == (256, 32, 512)
     assert scope["q"].grad is not None
+
+
+def test_design_doc_lists_every_module():
+    design = (ROOT / "docs" / "design.md").read_text()
+    for f in sorted((ROOT / "xattn").glob("*/*.py")):
+        if f.name != "__init__.py":
+            assert f"  {f.name} " in design, f"docs/design.md does not list {f.relative_to(ROOT)}"
