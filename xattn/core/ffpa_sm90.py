@@ -25,20 +25,20 @@ prepare_dsl_environment()  # before cutlass reads its environment (CPU-only mach
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
 
-from ffpa_attn.cute._bwd_preprocess import FFPAAttnBwdPreprocess  # noqa: E402
-from ffpa_attn.cute._dkdv_d384_sm90 import FFPAAttnBwdDKDVSm90SplitDD384  # noqa: E402
-from ffpa_attn.cute._dkdv_d512_sm90 import FFPAAttnBwdDKDVSm90SplitD  # noqa: E402
-from ffpa_attn.cute._dkdv_generic_sm90 import FFPAAttnBwdDKDVSm90SplitDGeneric  # noqa: E402
-from ffpa_attn.cute._dq_d384_sm90 import FFPAAttnBwdDQSm90SplitDD384  # noqa: E402
-from ffpa_attn.cute._dq_d512_sm90 import FFPAAttnBwdDQSm90SplitD  # noqa: E402
-from ffpa_attn.cute._dq_generic_sm90 import FFPAAttnBwdDQSm90SplitDGeneric  # noqa: E402
-from ffpa_attn.cute._fwd_d384_sm90 import D384_AWARE_HEAD_DIM, FFPAAttnFwdSm90SplitDD384Aware  # noqa: E402
-from ffpa_attn.cute._fwd_d512_sm90 import FFPAAttnFwdSm90SplitD  # noqa: E402
-from ffpa_attn.cute._fwd_generic_sm90 import FFPAAttnFwdSm90SplitDGeneric  # noqa: E402
-from ffpa_attn.cute._utils import SM90_BWD_TILE_M, SM90_BWD_TILE_N, SM90_FWD_TILE_M, SM90_FWD_TILE_N  # noqa: E402
+from ffpa_attn.cute._bwd_preprocess import FFPAAttnBwdPreprocess
+from ffpa_attn.cute._dkdv_d384_sm90 import FFPAAttnBwdDKDVSm90SplitDD384
+from ffpa_attn.cute._dkdv_d512_sm90 import FFPAAttnBwdDKDVSm90SplitD
+from ffpa_attn.cute._dkdv_generic_sm90 import FFPAAttnBwdDKDVSm90SplitDGeneric
+from ffpa_attn.cute._dq_d384_sm90 import FFPAAttnBwdDQSm90SplitDD384
+from ffpa_attn.cute._dq_d512_sm90 import FFPAAttnBwdDQSm90SplitD
+from ffpa_attn.cute._dq_generic_sm90 import FFPAAttnBwdDQSm90SplitDGeneric
+from ffpa_attn.cute._fwd_d384_sm90 import D384_AWARE_HEAD_DIM, FFPAAttnFwdSm90SplitDD384Aware
+from ffpa_attn.cute._fwd_d512_sm90 import FFPAAttnFwdSm90SplitD
+from ffpa_attn.cute._fwd_generic_sm90 import FFPAAttnFwdSm90SplitDGeneric
+from ffpa_attn.cute._utils import SM90_BWD_TILE_M, SM90_BWD_TILE_N, SM90_FWD_TILE_M, SM90_FWD_TILE_N
 
-from .spec import KernelSpec  # noqa: E402
-from .symbolic import CUTE_DTYPES, Dims, compile_launcher  # noqa: E402
+from .spec import KernelSpec
+from .symbolic import CUTE_DTYPES, Dims, compile_launcher
 
 __all__ = ["compile_ffpa"]
 
