@@ -181,3 +181,22 @@ def test_varlen_route_reads_document_lengths(monkeypatch, lens, route):
     assert choice.route == route and lengths == (lens, lens)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")  # the forced FFPA route never reads cu_seqlens
     assert ops._bwd_route(spec, k, cu, cu)[1] is None
+
+
+def test_varlen_route_under_cuda_graph_capture_needs_no_lengths(monkeypatch):
+    """While a CUDA graph captures, the packed backward keeps FFPA's route (reading cu_seqlens on the
+    host would break the capture)."""
+    import xattn.torch.ops as ops
+
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    q, k = torch.empty(8192, 8, 512, dtype=torch.bfloat16), torch.empty(8192, 1, 512, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4096, 8192], dtype=torch.int32)
+    spec = ops._spec("bwd", "ffpa", q, k, k, True, -1, -1, True)
+
+    class CudaLike(torch.Tensor):
+        is_cuda = True
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    cu_dev = cu.as_subclass(CudaLike)
+    choice, lengths = ops._bwd_route(spec, k, cu_dev, cu_dev)
+    assert choice.route == "ffpa" and "CUDA graph capture" in choice.reason and lengths is None

@@ -165,7 +165,7 @@ class _LengthsCopy:
 def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
     """Start :class:`_LengthsCopy` where the backward may take the GEMM route (FFPA head dims, CUDA)."""
     family, q, v, window = spec_args
-    if cu_q is None or not cu_q.is_cuda or family != "ffpa":
+    if cu_q is None or not cu_q.is_cuda or family != "ffpa" or torch.cuda.is_current_stream_capturing():
         return None
     if not _gemm_route.covers(family, q.shape[-1], v.shape[-1], window):
         return None
@@ -215,6 +215,12 @@ def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefe
     lengths, keys = None, k.shape[1]
     if cu_seqlens_q is not None:
         keys = 0
+        if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph cannot read cu_seqlens on the host: FFPA's varlen backward needs no lengths
+            choice = _gemm_route.RouteChoice(spec.family, "CUDA graph capture: the packed GEMM backward reads "
+                                                          "document lengths on the host")
+            _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
+            return choice, None
         if _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, window):
             lengths = prefetched.lengths(cu_seqlens_q, cu_seqlens_k) if prefetched is not None else None
             if lengths is None:
