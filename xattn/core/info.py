@@ -18,6 +18,7 @@ _GLUE_MODULES = ("cutlass", "tvm_ffi", "quack")
 
 
 def missing_modules(modules) -> list[str]:
+    """The names in ``modules`` that cannot be imported here (found by spec, nothing is imported)."""
     out = []
     for m in modules:
         try:

@@ -172,6 +172,8 @@ def _kernels(cfg: Config):
 
 
 def forward_call(cfg: Config, q, k, v):
+    """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of one dense call on ``cfg``'s backend (inputs
+    already checked); the building block of the custom_vjp functions, :mod:`.nn` and :mod:`.ring`."""
     if cfg.backend == "reference":
         return attention_reference(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window)
     out, lse = _kernels(cfg)[0](q, k, v)
@@ -179,6 +181,8 @@ def forward_call(cfg: Config, q, k, v):
 
 
 def backward_call(cfg: Config, dout, q, k, v, out, lse):
+    """``(dq, dk, dv)`` of one dense call from the given out/lse (dk/dv per KV head), on ``cfg``'s
+    backend and backward route; inputs already checked, as :func:`forward_call`."""
     if cfg.backend == "reference":
         return attention_reference_bwd(dout, q, k, v, out, lse, scale=cfg.scale, causal=cfg.causal,
                                        window=cfg.window)

@@ -97,6 +97,8 @@ def _check_values(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q, max_seql
 
 
 def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
+    """``(out [Tq, Hq, Dv], lse fp32 [Hq, Tq])`` of one packed call on ``cfg``'s backend (no checks: the
+    public functions and :mod:`xattn.jax.nn` validate first)."""
     c = cfg.base
     if c.backend == "reference":
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
@@ -112,6 +114,8 @@ def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
 
 
 def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):
+    """``(dq, dk, dv)`` of one packed call from the given out/lse, on FFPA's/FA4's varlen backward or
+    (:func:`_padded_gemm_route`) the padded GEMM backward; no checks, as :func:`varlen_forward_call`."""
     c = cfg.base
     if c.backend == "reference":
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)

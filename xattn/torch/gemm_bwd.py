@@ -13,6 +13,7 @@ Scratch: :func:`xattn.core.gemm_bwd.workspace_bytes`.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -305,11 +306,8 @@ def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     seqlens_q, seqlens_k = [int(x) for x in seqlens_q], [int(x) for x in seqlens_k]
     if groups is None:
         groups = plan_mod.varlen_groups(seqlens_q, seqlens_k, Hq)
-    starts_q = [0] * len(seqlens_q)
-    starts_k = [0] * len(seqlens_k)
-    for i in range(1, len(seqlens_q)):
-        starts_q[i] = starts_q[i - 1] + seqlens_q[i - 1]
-        starts_k[i] = starts_k[i - 1] + seqlens_k[i - 1]
+    starts_q = list(itertools.accumulate(seqlens_q[:-1], initial=0))
+    starts_k = list(itertools.accumulate(seqlens_k[:-1], initial=0))
     # flat row views; one spare (dump) row at the end of each output takes every padded row's write
     q_rows, do_rows = q.reshape(Tq * Hq, D), dout.reshape(Tq * Hq, D)
     k_rows, v_rows = k.reshape(Tk * Hkv, D), v.reshape(Tk * Hkv, D)
@@ -359,9 +357,8 @@ def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         dqp = torch.empty(L, C * g * R, D, device=dev, dtype=dt)
         dkp = torch.empty(L, nk8, D, device=dev, dtype=dt)
         dvp = torch.empty_like(dkp)
-        assert p.blocks[-1][1] == grp.pad_k
-        kend = grp.pad_k
-        write = _write_dkv_into([dkp[:, :kend]], [dvp[:, :kend]], [slice(None)])
+        assert p.blocks[-1][1] == grp.pad_k  # the last block writes dk/dv for every key row of the group
+        write = _write_dkv_into([dkp[:, :grp.pad_k]], [dvp[:, :grp.pad_k]], [slice(None)])
         _run_blocks(gemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, g * R,
                     causal or grp.masked_keys, softmax_scale, write)
         dst_q = torch.where(vec_valid.reshape(-1), src_q, Tq * Hq)

@@ -100,7 +100,9 @@ def _fwd_shapes(q, v, varlen):
 
 
 def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-              max_seqlen_q, max_seqlen_k):
+                 max_seqlen_q, max_seqlen_k):
+    """The body of :func:`fwd` (also called by :mod:`xattn.torch.ring` outside the dispatcher): allocates
+    and returns ``(out, lse)`` in the layouts of the module docstring."""
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
     spec = _spec("fwd", family, q, k, v, causal, window_left, window_right, varlen)
@@ -123,7 +125,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: float, caus
         max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:
     """Attention forward: returns ``(out, lse)``; see the module docstring for layouts."""
     return forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
-                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                        cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @fwd.register_fake
@@ -139,6 +141,11 @@ def _alert_not_deterministic(op: str) -> None:
     from torch._prims_common import alert_not_deterministic
 
     alert_not_deterministic(op)
+
+
+def _document_lengths(cu_q: list, cu_k: list) -> tuple[list, list]:
+    """(query, key) document lengths from host cu_seqlens lists."""
+    return [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
 
 
 class _LengthsCopy:
@@ -158,8 +165,7 @@ class _LengthsCopy:
         if (cu_q._version, cu_k._version) != self._versions:
             return None
         self._done.synchronize()  # long done by the time a backward runs
-        cq, ck = (h.tolist() for h in self._host)
-        return [b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])]
+        return _document_lengths(*(h.tolist() for h in self._host))
 
 
 def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
@@ -173,7 +179,9 @@ def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
 
 
 def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
-              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefetched=None):
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefetched=None):
+    """The body of :func:`bwd`: returns ``(dq, dk, dv)`` from the given out/lse, on the route
+    :func:`_bwd_route` picks; ``prefetched``: the forward's :class:`_LengthsCopy` of cu_seqlens."""
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
     spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
@@ -224,8 +232,7 @@ def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefe
         if _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, window):
             lengths = prefetched.lengths(cu_seqlens_q, cu_seqlens_k) if prefetched is not None else None
             if lengths is None:
-                cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-                lengths = ([b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])])
+                lengths = _document_lengths(cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
             keys = _gemm_route.keys_per_row(*lengths)
     choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
                                 window, cu_seqlens_q is not None, keys)
