@@ -19,6 +19,8 @@
 #   bwd-routes   benchmarks/bwd_routes.py (d512 backward: FFPA vs chunked GEMM; BWD_SEQLENS, BWD_FRAMEWORKS, BWD_DTYPES,
 #                BWD_ROUTES, BWD_SHAPES) -> $OUT/results/bwd_routes_h200.json
 #   packed-profile  benchmarks/tools/packed_profile.py (CUDA time per kernel, packed vs dense backward; PACKED_DOCS)
+#   diag-probe   benchmarks/tools/diag_pieces_probe.py (causal GEMM backward per diagonal block plan; DIAG_SEQLENS,
+#                DIAG_SHAPES)
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   memory       benchmarks/memory_growth.py (1,000 mixed calls in one process) -> $OUT/results/memory_growth_h200.json
@@ -83,6 +85,8 @@ for step in "$@"; do
               --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     packed-profile) timeout "$t" python benchmarks/tools/packed_profile.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} 2>&1 \
               | grep -v Warning | tee -a "$OUT/steps.log" | tail -120 ;;
+    diag-probe) timeout "$t" python benchmarks/tools/diag_pieces_probe.py ${DIAG_SEQLENS:+--seqlens "$DIAG_SEQLENS"} \
+              ${DIAG_SHAPES:+--shapes "$DIAG_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
     memory) timeout "$t" python benchmarks/memory_growth.py --out "$OUT/results/memory_growth_h200.json" 2>&1 \
               | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;

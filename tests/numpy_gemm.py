@@ -21,12 +21,16 @@ def _f(x):
 
 
 def _check_layouts(kind, args) -> None:
-    """What the compiled launchers refuse (TVM-FFI's argument checks): a tensor whose last stride is
-    not 1 (row vectors included: TMA needs a unit stride), and acc's C and D of different lengths."""
+    """What the compiled launchers refuse (TVM-FFI's argument checks) or TMA cannot take: a tensor
+    whose last stride is not 1 (row vectors included), one whose start or other strides are not
+    16-byte aligned (views at an offset: the diagonal pieces), and acc's C and D of different lengths."""
     arrays = [np.from_dlpack(a) for a in args if hasattr(a, "__dlpack__")]
     for n, x in enumerate(arrays):
         if x.size and x.strides[-1] != x.itemsize:
             raise ValueError(f"{kind}: tensor #{n} has last stride {x.strides[-1] // x.itemsize}, expected 1")
+        if x.size and (x.ctypes.data % 16 or any(st % 16 for st, e in zip(x.strides[:-1], x.shape[:-1]) if e > 1)):
+            raise ValueError(f"{kind}: tensor #{n} starts or strides off 16 bytes ({x.ctypes.data % 16}, "
+                             f"{x.strides})")
     if kind == "acc" and arrays[2].shape[1] != arrays[3].shape[1]:
         raise ValueError(f"{kind}: C has {arrays[2].shape[1]} rows, D {arrays[3].shape[1]}: expected to match")
 

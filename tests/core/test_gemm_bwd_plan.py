@@ -129,3 +129,29 @@ def test_keys_per_row():
     assert gb.keys_per_row([2048] * 8, [2048] * 8) == 2048
     assert gb.keys_per_row([100, 900], [100, 900]) == (100 * 100 + 900 * 900) // 1000
     assert gb.keys_per_row([0, 0], [5, 5]) == 0
+
+
+@pytest.mark.parametrize("nq, nk, rows, pieces", [(8192, 8192, 1024, 4), (1000, 1013, 256, 3), (600, 380, 256, 4),
+                                                  (300, 300, 1024, 4), (64, 64, 64, 4)])
+def test_diagonal_pieces_cover_each_block_within_its_causal_limit(nq, nk, rows, pieces):
+    """Each causal block's pieces tile its real rows (pieces without keys dropped, from the front), their
+    key limits grow, sit on the 8-element grid (the last is the block's limit) and cover every row's
+    causal limit; non-causal blocks are one piece."""
+    p = gb.plan(1, nq, nk, 4, True, rows=rows, pieces=pieces)
+    shift = nk - nq
+    for (start, kend), cuts in zip(p.blocks, p.pieces):
+        real = min(rows, nq - start)
+        if not cuts:
+            assert kend == 0
+            continue
+        assert cuts[-1][1] == real and cuts[-1][2] == kend and len(cuts) <= pieces
+        assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+        assert not cuts[0][0] or start + cuts[0][0] + shift <= 0  # dropped rows see no key
+        for lo, hi, keys in cuts:
+            assert lo % 64 == 0 and (keys % 8 == 0 or keys == kend)
+            assert min(nk, start + hi + shift) <= keys <= kend  # row hi-1 sees keys < start + hi + shift
+        assert [c[2] for c in cuts] == sorted(c[2] for c in cuts)
+    flat = gb.plan(1, nq, nk, 4, False, rows=rows, pieces=pieces)
+    assert all(len(c) == 1 and c[0][2] == nk for c in flat.pieces)
+    with pytest.raises(ValueError, match="pieces"):
+        gb.plan(1, nq, nk, 4, True, rows=rows, pieces=0)

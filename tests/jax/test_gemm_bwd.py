@@ -116,7 +116,8 @@ def _packed(lens, hq, hkv, d, seed):
 
 
 @pytest.mark.parametrize("lens, max_len, causal", [
-    ([64, 64, 64], 64, True),            # equal documents: the padded batch is exact
+    ([64, 64, 64], 64, True),            # equal documents: the packed tensors are the dense batch
+    ([48, 48], 48, False),               # the same, not causal
     ([70, 0, 17, 1, 70], 70, True),      # empty, 1-token and short documents padded to max_seqlen
     ([50, 33, 64], 64, False),           # not causal: padded keys masked by position
 ])
@@ -132,9 +133,12 @@ def test_padded_packed_driver_vs_fp64(standin, lens, max_len, causal):
     f32 = lambda x: x.astype(jnp.float32)[None]  # noqa: E731
     out, lse = attention_reference(f32(q), f32(k), f32(v), scale=scale, mask=mask)
     want = attention_reference_bwd(f32(dout), f32(q), f32(k), f32(v), out, lse, scale=scale, mask=mask)
-    got = jax.jit(lambda *a: gb.gemm_backward_padded(*a, max_seqlen_q=max_len, max_seqlen_k=max_len,
-                                                     softmax_scale=scale, causal=causal))(
-        dout, q, k, v, out[0].astype(q.dtype), lse[0], cu, cu)
+    run = lambda *a: gb.gemm_backward_padded(*a, max_seqlen_q=max_len, max_seqlen_k=max_len,  # noqa: E731
+                                             softmax_scale=scale, causal=causal)
+    args = (dout, q, k, v, out[0].astype(q.dtype), lse[0], cu, cu)
+    got = jax.jit(run)(*args)
+    gathers = "gather" in str(jax.make_jaxpr(run)(*args))
+    assert gathers == (len(lens) * max_len != t)  # documents filling B x max_seqlen are used in place
     for name, x, r in zip(("dq", "dk", "dv"), got, want):
         assert x.shape == r.shape[1:] and x.dtype == q.dtype, name
         err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r[0])))
@@ -167,7 +171,7 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
         loose = dataclasses.replace(same, max_seqlen_q=128, max_seqlen_k=128)
         assert not jv._padded_gemm_route(loose, spec, q, k, cu)
     assert "needs cu_seqlens_q is cu_seqlens_k" in caplog.text and "would cost more" in caplog.text
-    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", False)  # today's default: opt-in only
+    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", False)  # the switch that leaves it to XATTN_BWD_ROUTE=gemm
     assert not jv._padded_gemm_route(same, spec, q, k, cu)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     forced = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)

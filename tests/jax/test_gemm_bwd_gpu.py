@@ -69,6 +69,7 @@ def test_jax_auto_route_under_jit_grad(monkeypatch):
 
 @pytest.mark.parametrize("lens, max_len, causal, g", [
     ([1000, 1000, 977], 1000, True, 8),   # documents about max_seqlen long, one cu_seqlens: the GEMM route
+    ([800, 800, 800], 800, True, 8),      # documents filling B x max_seqlen: the dense batch in place
     ([600, 555, 600, 590], 600, False, 1),
     ([700, 0, 700, 1, 699], 700, True, 4),  # empty and 1-token documents (the padded batch still exact)
 ])

@@ -49,6 +49,36 @@ def test_block_logic_vs_fp64(b, nq, nk, hq, hkv, causal, rows, layout):
     assert ("mm_kv" in kinds) == (rows is None) and ("acc" in kinds) == (rows is not None)
 
 
+@pytest.mark.parametrize("b, nq, nk, hq, hkv, rows", [
+    (1, 700, 700, 2, 2, 256),   # in place (B 1, no GQA), last block partial
+    (2, 520, 530, 4, 1, 256),   # GQA 4, Nq < Nk (shift 10: key limits off the 8 grid)
+    (1, 600, 380, 3, 3, 256),   # Nq > Nk: leading pieces without keys
+    (1, 200, 200, 2, 1, None),  # one block (mm_kv writes dk/dv per key range)
+])
+@pytest.mark.parametrize("pieces", [2, 3, 4])
+@pytest.mark.parametrize("split_acc", [True, False])
+def test_causal_diagonal_pieces_vs_fp64(b, nq, nk, hq, hkv, rows, pieces, split_acc):
+    """Causal blocks cut along the diagonal (each piece's P/dS/dq stop at its own key limit; dK/dV by
+    key range or over zeroed P/dS) give the fp64 gradients, and launch per piece."""
+    g = torch.Generator().manual_seed(nq + 3 * nk + pieces)
+    d = 32
+    q, dout = (torch.randn(b, nq, hq, d, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(b, nk, hkv, d, generator=g).half() for _ in range(2))
+    out, lse = attention(q, k, v, scale=0.25, causal=True)
+    want = attention_bwd(dout, q, k, v, out, lse, scale=0.25, causal=True)
+    numpy_gemm.CALLS.clear()
+    gemms = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
+    got = gb.gemm_backward(dout, q, k, v, out.half(), lse.float(), softmax_scale=0.25, causal=True, gemms=gemms,
+                           rows=rows, pieces=pieces, split_acc=split_acc)
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(x).all(), name
+        err = (x.double() - r).abs().max().item()
+        assert err < 2e-2 * max(1.0, r.abs().max().item()), (name, err)
+    p = gb.plan_mod.plan(b, nq, nk, hq, True, rows=rows, pieces=pieces)
+    assert numpy_gemm.CALLS.count("probs_causal") == sum(len(x) for x in p.pieces)
+    assert max(len(x) for x in p.pieces) > 1
+
+
 def test_core_gemms_refuses_fp32():
     with pytest.raises(ValueError, match="float16/bfloat16"):
         gb.CoreGemms(torch.float32, num_sms=132, launcher=numpy_gemm.make)
@@ -154,7 +184,8 @@ def test_varlen_documents_vs_fp64(lens_q, lens_k, hq, hkv, causal, rows):
 
 
 def test_varlen_groups_share_launches():
-    """Many short documents of one padded length run as one batch: one probabilities launch."""
+    """Many short documents of one padded length run as one batch: one probabilities launch per
+    diagonal piece of the group's one block, not one per document."""
     lens = [100, 110, 120, 128, 97] * 4
     q, k, v, dout, cu_q, cu_k = _varlen_case(lens, lens, 2, 1)
     out, lse, want = _varlen_want(q, k, v, dout, cu_q, cu_k, 0.2, True)
@@ -162,7 +193,9 @@ def test_varlen_groups_share_launches():
     gemms = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
     got = gb.gemm_backward_varlen(dout, q, k, v, out.half(), lse.float(), lens, lens, softmax_scale=0.2,
                                   causal=True, gemms=gemms)
-    assert numpy_gemm.CALLS.count("probs_causal") == 1
+    (grp,) = gb.plan_mod.varlen_groups(lens, lens, 2)
+    (pieces,) = gb.plan_mod.plan(len(grp.docs), grp.pad_q, grp.pad_k, 2, True, shift=grp.shift).pieces
+    assert len(pieces) == 2 and numpy_gemm.CALLS.count("probs_causal") == 2  # 128 rows: two 64-row pieces
     for x, r in zip(got, want):
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
 

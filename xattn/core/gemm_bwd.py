@@ -18,8 +18,14 @@ step   GEMM (M x N x K)                               fused epilogue / output
 
 ``δ = rowsum(dO ⊙ O)`` (from the caller's out: merged out/lse of a ring work as they do for
 FFPA). ``kend`` is the block's causal key limit, so key blocks past the diagonal are never
-computed. dS is formed from the fp32 P: with the 16-bit P the gradient error vs fp64 reached
-1.86x FFPA's on the H200 (mean 1.13x), with the fp32 P it is 1.00x (mean 0.996x).
+computed. A causal block can also be cut along its diagonal (``pieces``, :data:`DIAGONAL_PIECES`):
+each piece of its rows computes steps 1, 2 and 5 only up to its own key limit, and steps 3-4 run
+per key range over the rows of the pieces that see it, so a block of ``rows`` rows computes
+~rows²/(2·pieces) of masked work instead of rows²/2 (the torch driver; JAX computes each block
+whole). It measured slower on the H200, so the default keeps blocks whole.
+
+dS is formed from the fp32 P: with the 16-bit P the gradient error vs fp64 reached 1.86x FFPA's
+on the H200 (mean 1.13x), with the fp32 P it is 1.00x (mean 0.996x).
 
 This module is the framework-neutral part: which backward a problem gets (:func:`choose`),
 the blocks (:func:`plan`), the memory they take (:func:`workspace_bytes`) and, for packed
@@ -52,6 +58,14 @@ MIN_BLOCK_ROWS = 64
 # the work. H200, d512 Hq16/Hkv16 causal N 8k bf16 fwd+bwd (benchmarks/results/bwd_routes_h200.json):
 # rows 2048 (the budget's) -> 1024: torch 356.1 -> 384.1 TFLOP/s, JAX 407.9 -> 411.9.
 CAUSAL_MAX_ROWS = 1024
+# Causal: the diagonal square of a block may be cut into pieces of rows, each computed only up to its
+# own key limit (rounded up to ROW_ALIGN), so a block wastes ~rows²/(2·pieces) instead of rows²/2
+# (see plan()). Measured slower on the H200 (benchmarks/tools/diag_pieces_probe.py,
+# results/logs/diag_pieces_probe_h200.log; torch backward TFLOP/s, rows 1024, pieces 1 / 2 / 4):
+#   Hq16/Hkv16 causal 8k 388.9 / 371.8 / 344.9, 16k 405.0 / 394.0 / 372.8
+#   Hq32/Hkv4 causal 8k 390.5 / 398.2 / 370.8, 16k 439.9 / 429.3 / 424.8
+# The smaller GEMMs lose more to their tails than the skipped work saves, so blocks stay whole.
+DIAGONAL_PIECES = 1
 ROW_ALIGN = 8  # P / dS / colpos row strides are padded to 8 elements (16-byte TMA strides)
 DELTA_SLICE_BYTES = 64 << 20  # the torch driver computes δ = rowsum(dO ⊙ O) in slices of this much scratch
 
@@ -156,21 +170,29 @@ def _align(x: int, a: int) -> int:
 
 @dataclass(frozen=True)
 class GemmBwdPlan:
-    """Blocks of one backward: ``rows`` query rows each, ``blocks[c] = (row_start, kend)``."""
+    """Blocks of one backward: ``rows`` query rows each, ``blocks[c] = (row_start, kend)``, and
+    ``pieces[c]``: the block's rows cut along its causal diagonal, ``(lo, hi, keys)`` = rows
+    ``[lo, hi)`` of the block (relative to its start; up to its last real row) see only its first
+    ``keys`` keys. ``keys``
+    grows with ``lo``, is a multiple of :data:`ROW_ALIGN` except the last piece's (``kend``), and is
+    at least every row's causal limit; non-causal blocks are one piece."""
 
     rows: int
     num_blocks: int
     padded_q: int
     keys_stride: int
     blocks: tuple
+    pieces: tuple
 
 
 def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
-         budget: int | None = None, rows: int | None = None, shift: int | None = None) -> GemmBwdPlan:
+         budget: int | None = None, rows: int | None = None, shift: int | None = None,
+         pieces: int | None = None) -> GemmBwdPlan:
     """Block rows from the budget (P, fp32 P and dS of one block fit ``budget`` bytes; causal:
     at most :data:`CAUSAL_MAX_ROWS`) and each block's key limit ``kend`` (bottom-right causal:
     row i sees keys ``j <= i + shift``, ``shift = Nk - Nq`` unless given: a group of padded
-    documents passes its largest ``nk - nq``)."""
+    documents passes its largest ``nk - nq``). Causal blocks are cut into ``pieces`` (default
+    :data:`DIAGONAL_PIECES`) of whole 64-row multiples along the diagonal."""
     budget = budget_bytes() if budget is None else budget
     keys_stride = _align(max(seqlen_k, 1), ROW_ALIGN)
     if rows is None:
@@ -181,11 +203,29 @@ def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
         rows = min(rows, _align(max(seqlen_q, 1), MIN_BLOCK_ROWS))
     num_blocks = -(-seqlen_q // rows)
     shift = seqlen_k - seqlen_q if shift is None else shift
-    blocks = []
+    pieces = DIAGONAL_PIECES if pieces is None else pieces
+    if pieces < 1:
+        raise ValueError(f"pieces={pieces} must be >= 1")
+    blocks, cuts = [], []
     for c in range(num_blocks):
-        kend = min(seqlen_k, (c + 1) * rows + shift) if causal else seqlen_k
-        blocks.append((c * rows, max(kend, 0)))
-    return GemmBwdPlan(rows, num_blocks, num_blocks * rows, keys_stride, tuple(blocks))
+        kend = max(min(seqlen_k, (c + 1) * rows + shift) if causal else seqlen_k, 0)
+        blocks.append((c * rows, kend))
+        cuts.append(_pieces(c * rows, min(rows, seqlen_q - c * rows), kend, seqlen_k, shift, pieces if causal else 1))
+    return GemmBwdPlan(rows, num_blocks, num_blocks * rows, keys_stride, tuple(blocks), tuple(cuts))
+
+
+def _pieces(start: int, rows: int, kend: int, seqlen_k: int, shift: int, pieces: int) -> tuple:
+    """``(lo, hi, keys)`` of a block's ``rows`` real rows (see :class:`GemmBwdPlan`: the last piece
+    ends at the last real row, padded rows are not computed); pieces without keys are dropped (their
+    rows see no key: the drivers zero their dq)."""
+    step = max(MIN_BLOCK_ROWS, _align(-(-rows // pieces), MIN_BLOCK_ROWS))
+    out = []
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        keys = kend if hi == rows else min(kend, _align(max(min(seqlen_k, start + hi + shift), 0), ROW_ALIGN))
+        if keys > 0:
+            out.append((lo, hi, keys))
+    return tuple(out)
 
 
 def workspace_bytes(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int,

@@ -156,7 +156,9 @@ def gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, *, max_seqlen_q: i
     ``[Tk, Hkv, D]``, lse fp32 ``[Hq, Tq]``, cu_seqlens int32 ``[B + 1]`` (traced values). Every
     document is padded to ``max_seqlen_q`` / ``max_seqlen_k`` and the B documents run as one dense
     batch (per-row positions mask the padding and each document's bottom-right causal limit), so it
-    is efficient when the documents are about that long. Causal blocks skip keys past
+    is efficient when the documents are about that long (when ``B · max_seqlen`` is the token count,
+    every document is that long and the packed tensors are used as the dense batch in place). Causal
+    blocks skip keys past
     ``(c+1)·rows + max_seqlen_k − max_seqlen_q``: exact when every document has ``nk − nq <=
     max_seqlen_k − max_seqlen_q`` (the caller ensures it: equal cu_seqlens). Returns dq, dk, dv in the
     packed layouts, 0 outside every document."""
@@ -164,6 +166,16 @@ def gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, *, max_seqlen_q: i
     Tq, Tk = q.shape[0], k.shape[0]
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     tq, tk = jnp.arange(Nq), jnp.arange(Nk)
+    if B * Nq == Tq and B * Nk == Tk:
+        # B documents of at most max_seqlen filling T tokens are all max_seqlen long: the packed
+        # tensors are the dense batch as they are (no gather, no scatter)
+        pos = tq[None] + (lk - lq)[:, None] if causal else jnp.broadcast_to((lk - 1)[:, None], (B, Nq))
+        batch = lambda x, n: x.reshape(B, n, *x.shape[1:])  # noqa: E731
+        lse_d = lse.reshape(lse.shape[0], B, Nq).transpose(1, 0, 2)
+        dq, dk, dv = gemm_backward(batch(dout, Nq), batch(q, Nq), batch(k, Nk), batch(v, Nk), batch(out, Nq), lse_d,
+                                   softmax_scale=softmax_scale, causal=causal, budget=budget,
+                                   positions=pos.astype(jnp.float32))
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
     tok_q = cu_q[:-1, None] + jnp.minimum(tq[None], jnp.maximum(lq - 1, 0)[:, None])  # padding repeats a real row
     tok_k = cu_k[:-1, None] + jnp.minimum(tk[None], jnp.maximum(lk - 1, 0)[:, None])
     valid_q, valid_k = tq[None] < lq[:, None], tk[None] < lk[:, None]

@@ -140,9 +140,9 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
 
 
 PADDED_GEMM_MAX_FILL = 1.125  # B * max_seqlen <= this x T: the documents are about max_seqlen long
-# The padded GEMM route is taken by XATTN_BWD_ROUTE=gemm; "auto" takes it only once it has passed the
-# GPU tests (tests/jax/test_gemm_bwd_gpu.py: written, not yet run on an H200).
-PADDED_GEMM_BY_DEFAULT = False
+# "auto" takes the padded GEMM route where it applies (GPU-verified: tests/jax/test_gemm_bwd_gpu.py,
+# results/logs/gpu_tests_h200_diag_pieces.log); False would leave it to XATTN_BWD_ROUTE=gemm.
+PADDED_GEMM_BY_DEFAULT = True
 
 
 def _padded_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> bool:
@@ -159,7 +159,7 @@ def _padded_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> bool:
                               route=route):
         return False
     if route == "auto" and not PADDED_GEMM_BY_DEFAULT:
-        why_not = "the padded GEMM route is opt-in (XATTN_BWD_ROUTE=gemm) until it is GPU-verified"
+        why_not = "the padded GEMM route is switched off (PADDED_GEMM_BY_DEFAULT); XATTN_BWD_ROUTE=gemm takes it"
     elif c.causal and not cfg.same_segments:
         why_not = "a causal packed backward on the GEMM route needs cu_seqlens_q is cu_seqlens_k"
         if route == "gemm":

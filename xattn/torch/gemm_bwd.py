@@ -161,14 +161,20 @@ def _heads_rows(x: Tensor) -> Tensor:
     return x[0].transpose(0, 1)
 
 
-def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, block_rows: int,
-                masked: bool, softmax_scale: float, write_dkv) -> None:
+def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, g: int,
+                masked: bool, softmax_scale: float, write_dkv, split_acc: bool = True) -> None:
     """The five GEMMs of every block of plan ``p`` over the GEMM-ready operands (see
-    :func:`gemm_backward`): dq blocks into ``dqp``; ``write_dkv(gemms, p_block, dout_block, ds_block,
-    q_block, dk_acc, dv_acc)`` writes dk/dv from the last block (the accumulators are None with one
-    block). ``masked``: the probabilities mask by position (causal, or padded keys)."""
+    :func:`gemm_backward`; a block is ``g * p.rows`` GEMM rows, or fewer at the end of ``qp``): dq
+    blocks into ``dqp``; ``write_dkv(gemms, a, b, p_rows, dout_rows, ds_rows, q_rows, dk_acc, dv_acc)``
+    writes dk/dv keys ``[a, b)`` from the last block (P/dS cut to those keys; the accumulators are
+    None with one block). ``masked``: the probabilities mask by position (causal, or padded keys).
+
+    Each block runs piece by piece along its causal diagonal (``p.pieces``): P, dS and dq of a piece
+    stop at its own key limit. ``split_acc``: dK/dV are accumulated per key range too (keys between
+    two pieces' limits take the rows of the later pieces only); otherwise P/dS past each piece's
+    limit are zeroed and one GEMM per block takes them whole."""
     L, D, dt, dev = qp.shape[0], qp.shape[2], qp.dtype, qp.device
-    C, nk8 = p.num_blocks, p.keys_stride
+    C, nk8, block_rows = p.num_blocks, p.keys_stride, g * p.rows
     dk_acc = dv_acc = None
     if C > 1:  # fp32 accumulators of dk/dv over the blocks (one block writes dk/dv directly)
         dk_acc = torch.zeros(L, p.blocks[-1][1], D, device=dev, dtype=torch.float32)  # as many rows as dk/dv
@@ -178,38 +184,55 @@ def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, co
     ds_buf = torch.empty(n_scores, device=dev, dtype=dt)
     p32_buf = torch.empty(n_scores, device=dev, dtype=torch.float32)
     scale_log2 = softmax_scale * LOG2E
-    for c, (_, kend) in enumerate(p.blocks):
+    for c, ((_, kend), pieces) in enumerate(zip(p.blocks, p.pieces)):
         r0 = c * block_rows
-        rs = slice(r0, min(r0 + block_rows, qp.shape[1]))  # direct: the last block ends at Nq
-        m = rs.stop - r0
-        if kend <= 0:
-            dqp[:, rs].zero_()  # every row of the block is before the first key
+        if not pieces:  # every row of the block is before the first key
+            dqp[:, r0:min(r0 + block_rows, qp.shape[1])].zero_()
             continue
+        m, first = g * pieces[-1][1], g * pieces[0][0]  # real rows; rows before `first` see no key
+        if first:
+            dqp[:, r0:r0 + first].zero_()
         k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
-        view = lambda buf: buf[: L * m * k8].view(L, m, k8)[:, :, :kend]  # noqa: E731
-        pb, dsb, p32 = view(p_buf), view(ds_buf), view(p32_buf)
-        qc, doc = qp[:, rs], dop[:, rs]
-        # whole kp / vp / colpos / accumulators: the launchers use their first kend rows in place
-        gemms.probs(qc, kp, pb, p32, rowbias[:, rs], rowpos[:, rs], colpos, scale_log2, masked)
-        gemms.grad_scores(doc, vp, dsb, p32, delta[:, rs], softmax_scale)
-        if c < C - 1:
-            gemms.add_into(pb, doc, dv_acc)
-            gemms.add_into(dsb, qc, dk_acc)
-        else:  # the last block sees every key the plan has (kend == its Nk)
-            write_dkv(gemms, pb, doc, dsb, qc, dk_acc, dv_acc)
-        gemms.mm_dq(dsb, kp, dqp[:, rs])
+        pb, dsb, p32 = (buf[: L * m * k8].view(L, m, k8) for buf in (p_buf, ds_buf, p32_buf))
+        qc, doc = qp[:, r0:r0 + m], dop[:, r0:r0 + m]
+        for lo, hi, keys in pieces:
+            rs = slice(g * lo, g * hi)
+            # whole kp / vp / colpos: the launchers use their first `keys` rows in place
+            gemms.probs(qc[:, rs], kp, pb[:, rs, :keys], p32[:, rs, :keys], rowbias[:, r0:r0 + m][:, rs],
+                        rowpos[:, r0:r0 + m][:, rs], colpos, scale_log2, masked)
+            gemms.grad_scores(doc[:, rs], vp, dsb[:, rs, :keys], p32[:, rs, :keys], delta[:, r0:r0 + m][:, rs],
+                              softmax_scale)
+            if not split_acc and keys < kend:
+                pb[:, rs, keys:kend].zero_()
+                dsb[:, rs, keys:kend].zero_()
+            gemms.mm_dq(dsb[:, rs, :keys], kp, dqp[:, r0:r0 + m][:, rs])
+        if split_acc:  # keys [a, b): the rows of the pieces whose limit passes a
+            ranges, a = [], 0
+            for lo, _, keys in pieces:
+                if keys > a:
+                    ranges.append((g * lo, a, keys))
+                    a = keys
+        else:
+            ranges = [(first, 0, kend)]
+        for row, a, b in ranges:
+            xs = (pb[:, row:, a:b], doc[:, row:], dsb[:, row:, a:b], qc[:, row:])
+            if c < C - 1:
+                gemms.add_into(xs[0], xs[1], dv_acc[:, a:])
+                gemms.add_into(xs[2], xs[3], dk_acc[:, a:])
+            else:  # the last block sees every key the plan has (kend == its Nk)
+                write_dkv(gemms, a, b, *xs, dk_acc, dv_acc)
 
 
 def _write_dkv_into(dk_dst, dv_dst, slices):
     """``write_dkv`` for :func:`_run_blocks` writing ``dst[i]`` from the rows ``slices[i]`` of L."""
-    def write(gemms, pb, doc, dsb, qc, dk_acc, dv_acc):
+    def write(gemms, a, b, pb, doc, dsb, qc, dk_acc, dv_acc):
         for ls, dk_out, dv_out in zip(slices, dk_dst, dv_dst):
             if dk_acc is not None:
-                gemms.add_to(pb[ls], doc[ls], dv_acc[ls], dv_out)
-                gemms.add_to(dsb[ls], qc[ls], dk_acc[ls], dk_out)
+                gemms.add_to(pb[ls], doc[ls], dv_acc[ls, a:b], dv_out[:, a:b])
+                gemms.add_to(dsb[ls], qc[ls], dk_acc[ls, a:b], dk_out[:, a:b])
             else:
-                gemms.mm_kv(pb[ls], doc[ls], dv_out)
-                gemms.mm_kv(dsb[ls], qc[ls], dk_out)
+                gemms.mm_kv(pb[ls], doc[ls], dv_out[:, a:b])
+                gemms.mm_kv(dsb[ls], qc[ls], dk_out[:, a:b])
     return write
 
 
@@ -220,20 +243,22 @@ def _default_gemms(gemms, q: Tensor) -> CoreGemms:
 
 
 def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                  softmax_scale: float, causal: bool, gemms=None, rows: int | None = None
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  softmax_scale: float, causal: bool, gemms=None, rows: int | None = None,
+                  pieces: int | None = None, split_acc: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """dq ``[B, Nq, Hq, D]``, dk/dv ``[B, Nk, Hkv, D]`` (summed over each GQA group) from the given
     out/lse (lse fp32 ``[B, Hq, Nq]``, natural log; ``-inf`` rows contribute nothing).
 
     Causal is bottom-right aligned. ``gemms`` defaults to :class:`CoreGemms` on q's GPU; ``rows``
-    overrides the block rows that the budget (``XATTN_GEMM_BWD_BUDGET_MIB``) gives.
+    overrides the block rows that the budget (``XATTN_GEMM_BWD_BUDGET_MIB``) gives, ``pieces`` the
+    diagonal pieces of a causal block (:func:`xattn.core.gemm_bwd.plan`), ``split_acc`` how dK/dV
+    follow them (:func:`_run_blocks`).
     """
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     g, L = Hq // Hkv, B * Hkv
     dev, dt = q.device, q.dtype
     gemms = _default_gemms(gemms, q)
-    p = plan_mod.plan(B, Nq, Nk, Hq, causal, rows=rows)
+    p = plan_mod.plan(B, Nq, Nk, Hq, causal, rows=rows, pieces=pieces)
     R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
     shift = Nk - Nq
 
@@ -245,12 +270,11 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     keys_in_place = B == 1 and _in_place(k) and _in_place(v)
     dq = torch.empty(B, Nq, Hq, D, device=dev, dtype=dt)
     if direct:
-        qp, dop, dqp, block_rows = _heads_rows(q), _heads_rows(dout), _heads_rows(dq), R
+        qp, dop, dqp = _heads_rows(q), _heads_rows(dout), _heads_rows(dq)
     else:
         qp = _rows_to_blocks(q, Hkv, R, Np).view(L, C * g * R, D)
         dop = _rows_to_blocks(dout, Hkv, R, Np).view(L, C * g * R, D)
         dqp = torch.empty(L, C * g * R, D, device=dev, dtype=dt)
-        block_rows = g * R
     nkeys = Nk if keys_in_place else nk8  # K/V rows as passed; colpos has as many (one length)
     kp, vp = (_heads_rows(k), _heads_rows(v)) if keys_in_place else (_keys_to_blocks(k, nk8), _keys_to_blocks(v, nk8))
     rowbias = _vec_to_blocks(_rowbias(lse), Hkv, R, Np, -math.inf)
@@ -266,8 +290,8 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     slices = [slice(b * Hkv, (b + 1) * Hkv) for b in range(B)]
     write = _write_dkv_into([_heads_rows(dk[b:b + 1]) for b in range(B)],
                             [_heads_rows(dv[b:b + 1]) for b in range(B)], slices)
-    _run_blocks(gemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, block_rows, causal, softmax_scale,
-                write)
+    _run_blocks(gemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, g, causal, softmax_scale,
+                write, split_acc)
     if not direct:
         _blocks_to_rows(dqp.view(L, C, g * R, D), dq, R)
     return dq, dk, dv
@@ -288,7 +312,8 @@ def _group_rows(starts: Tensor, lengths: Tensor, pad: int) -> tuple[Tensor, Tens
 
 def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                          seqlens_q, seqlens_k, *, softmax_scale: float, causal: bool, gemms=None,
-                         rows: int | None = None, groups=None) -> tuple[Tensor, Tensor, Tensor]:
+                         rows: int | None = None, groups=None, pieces: int | None = None,
+                         split_acc: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """The packed (varlen) backward: q/dout/out ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, lse fp32
     ``[Hq, Tq]``; document i holds query rows ``sum(seqlens_q[:i]) + [0, seqlens_q[i])`` and keys
     likewise (host ints; causal bottom-right within each document). Returns dq ``[Tq, Hq, D]``,
@@ -297,7 +322,8 @@ def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     Documents run in :func:`xattn.core.gemm_bwd.varlen_groups` (``groups`` overrides them): each
     group is gathered into the blocked layout of :func:`gemm_backward` (one ``index_select`` per
     operand, padding rows masked by position and ``−inf`` row bias), runs the same blocks, and is
-    scattered back (padding goes to one spare row that is dropped)."""
+    scattered back (padding goes to one spare row that is dropped). ``rows``, ``pieces``,
+    ``split_acc``: as for :func:`gemm_backward`."""
     Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[0], k.shape[1]
     g = Hq // Hkv
@@ -330,7 +356,7 @@ def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         G = len(grp.docs)
         lq, lk, sq, sk = table[:, first:first + G]
         first += G
-        p = plan_mod.plan(G, grp.pad_q, grp.pad_k, Hq, causal, rows=rows, shift=grp.shift)
+        p = plan_mod.plan(G, grp.pad_q, grp.pad_k, Hq, causal, rows=rows, shift=grp.shift, pieces=pieces)
         R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
         L = G * Hkv
         tok_q, valid_q = _group_rows(sq, lq, Np)
@@ -359,8 +385,8 @@ def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         dvp = torch.empty_like(dkp)
         assert p.blocks[-1][1] == grp.pad_k  # the last block writes dk/dv for every key row of the group
         write = _write_dkv_into([dkp[:, :grp.pad_k]], [dvp[:, :grp.pad_k]], [slice(None)])
-        _run_blocks(gemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, g * R,
-                    causal or grp.masked_keys, softmax_scale, write)
+        _run_blocks(gemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, colpos, dqp, g,
+                    causal or grp.masked_keys, softmax_scale, write, split_acc)
         dst_q = torch.where(vec_valid.reshape(-1), src_q, Tq * Hq)
         dq_rows.index_copy_(0, dst_q, dqp.view(-1, D))
         dst_k = torch.where(valid_k.view(G, 1, nk8).expand(G, Hkv, nk8).reshape(-1), src_k, Tk * Hkv)
