@@ -233,3 +233,59 @@ def test_varlen_route_under_cuda_graph_capture_needs_no_lengths(monkeypatch):
     cu_dev = cu.as_subclass(CudaLike)
     choice, lengths = ops._bwd_route(spec, k, cu_dev, cu_dev)
     assert choice.route == "ffpa" and "CUDA graph capture" in choice.reason and lengths is None
+
+
+@pytest.mark.parametrize("lens_q, lens_k, causal", [
+    ([300, 40, 0, 20, 260, 1], None, True),    # long documents on the GEMMs, short ones (and 1 token) on FFPA
+    ([280, 30, 90], [300, 25, 100], False),    # Nq != Nk per document, not causal
+])
+def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
+    """Under the auto route, groups padded to fewer keys than the measured table's run through the family's
+    fused varlen backward as one gathered sub-batch (here: an fp64 stand-in of it), the rest on the GEMMs;
+    the gradients are the fp64 ones. A forced GEMM route keeps every group."""
+    import xattn.torch.ops as ops
+    from tests.reference import attention_bwd as ref_bwd
+
+    lens_k = lens_k or lens_q
+    d = 512
+    q, k, v, dout, cu_q, cu_k = _varlen_case(lens_q, lens_k, 8, 1, d=d, seed=len(lens_q))
+    scale = d ** -0.5
+    out, lse, want = _varlen_want(q, k, v, dout, cu_q, cu_k, scale, causal)
+    monkeypatch.setattr(gb.plan_mod, "MIN_KEYS_BY_GROUP", ((1, 256),))
+    real = gb.gemm_backward_varlen
+    gemm_docs, fused = [], []
+
+    def on_standins(*a, groups, **kw):
+        gemm_docs.extend(i for grp in groups for i in grp.docs)
+        kw["gemms"] = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
+        return real(*a, groups=groups, **kw)
+
+    def fused_fp64(spec, family, grads, dout, q, k, v, out, lse, softmax_scale, cu_q, cu_k, max_q, max_k):
+        assert spec.varlen and family == "ffpa"
+        fused.append(q.shape[0])
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for i in range(len(cq) - 1):
+            rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+            g = ref_bwd(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq],
+                        scale=softmax_scale, causal=causal)
+            for grad, rows, x in zip(grads, (rq, rk, rk), g):
+                grad[rows] = x[0].to(grad.dtype)
+
+    monkeypatch.setattr(gb, "gemm_backward_varlen", on_standins)
+    monkeypatch.setattr(ops, "_launch_bwd", fused_fp64)
+    monkeypatch.setattr(ops, "check_attention", lambda *a: None)  # CUDA-only input checks (tested elsewhere)
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    lengths = (lens_q, lens_k)
+    got = ops._gemm_bwd(dout, q, k, v, out.half(), lse.float(), "ffpa", scale, causal, lengths,
+                        (cu_q, cu_k, max(lens_q), max(lens_k)))
+    short = [i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a and b and gb.plan_mod._align(b, 64) < 256]
+    assert sorted(gemm_docs) == [i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a and b and i not in short]
+    assert fused == [sum(lens_q[i] for i in short)]
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        err = (x.double() - r).abs().max().item()
+        assert err < 2e-2 * max(1.0, r.abs().max().item()), (name, err)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    gemm_docs.clear(), fused.clear()
+    ops._gemm_bwd(dout, q, k, v, out.half(), lse.float(), "ffpa", scale, causal, lengths,
+                  (cu_q, cu_k, max(lens_q), max(lens_k)))
+    assert not fused and len(gemm_docs) == sum(1 for a, b in zip(lens_q, lens_k) if a and b)

@@ -165,3 +165,25 @@ def test_varlen_memory_within_the_documented_bound(monkeypatch):
     extra = torch.cuda.max_memory_allocated() - before - sum(x.untyped_storage().nbytes() for x in grads)
     bound = varlen_workspace_bytes(lens, lens, 8, 2, 512, True, budget=64 << 20)
     assert 0 < extra <= bound, (extra, bound)
+
+
+def test_auto_route_splits_short_documents_onto_ffpa(monkeypatch):
+    """The default route on a mix: documents of >= 2048 keys (GQA 8) on the GEMMs, the short ones in one
+    gathered call of FFPA's varlen backward; gradients vs fp64 within 1.5x FFPA's whole-batch error."""
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    lens = [4000, 300, 17, 2100, 1000, 1]
+    q, k, v, dout = _packed(lens, lens, 8, 1, torch.bfloat16, seed=11)
+    cu, m = _cu(lens), max(lens)
+    out, lse = ops.fwd(q, k, v, "ffpa", SCALE, True, -1, -1, cu, cu, m, m)
+    want = _want(dout, q, k, v, out, lse, lens, lens, True)
+    args = (dout, q, k, v, out, lse, "ffpa", SCALE, True, -1, -1, cu, cu, m, m)
+    fused, real = [], ops._launch_bwd
+    monkeypatch.setattr(ops, "_launch_bwd", lambda *a: fused.append(a[4].shape[0]) or real(*a))
+    got = ops.bwd(*args)
+    assert fused == [300 + 17 + 1000 + 1]
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
+    ffpa = ops.bwd(*args)
+    for name, x, f, r in zip(("dq", "dk", "dv"), got, ffpa, want):
+        assert torch.isfinite(x).all(), name
+        err, err_ffpa = (x.double() - r).abs().max().item(), (f.double() - r).abs().max().item()
+        assert err <= 1.5 * err_ffpa + 1e-3, (name, err, err_ffpa)

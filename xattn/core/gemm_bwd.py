@@ -48,7 +48,7 @@ from dataclasses import dataclass
 __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes",
            "route_table",
            "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
-           "varlen_workspace_bytes"]
+           "varlen_workspace_bytes", "split_short_groups"]
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
@@ -159,7 +159,8 @@ def route_table() -> list[str]:
     """Human-readable lines of the route table, for ``python -m xattn info``."""
     lines = [f"GQA group >= {g}: GEMM backward from Nk {n}" for g, n in MIN_KEYS_BY_GROUP]
     lines.append("packed (varlen): the same table on the keys an average row's document holds; documents "
-                 f"grouped within {GROUP_FILL:g} of a group's first length, padded to {GROUP_ALIGN}")
+                 f"grouped within {GROUP_FILL:g} of a group's first length, padded to {GROUP_ALIGN}; groups "
+                 "under the table's key count run in one call of FFPA's varlen backward")
     lines.append(f"XATTN_BWD_ROUTE={env_route()}, block budget {budget_bytes() >> 20} MiB")
     return lines
 
@@ -312,6 +313,20 @@ def varlen_groups(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None)
     if part:
         close()
     return groups
+
+
+def split_short_groups(groups, qhead_per_kvhead: int, route: str | None = None) -> tuple[list, tuple]:
+    """``(gemm_groups, ffpa_docs)``: under ``XATTN_BWD_ROUTE=auto`` the groups whose padded key length is
+    under the measured table's (:data:`MIN_KEYS_BY_GROUP`: FFPA's fused backward is faster there) leave
+    the GEMM route, and their documents (sorted indices) run through FFPA's varlen backward as one packed
+    sub-batch. A forced ``gemm`` route keeps every group."""
+    route = env_route() if route is None else route
+    if route != "auto":
+        return list(groups), ()
+    min_keys = next(n for g, n in MIN_KEYS_BY_GROUP if qhead_per_kvhead >= g)
+    long = [grp for grp in groups if grp.pad_k >= min_keys]
+    short = tuple(sorted(i for grp in groups if grp.pad_k < min_keys for i in grp.docs))
+    return long, short
 
 
 def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, head_dim: int, causal: bool,

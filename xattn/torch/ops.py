@@ -17,6 +17,7 @@ cu_seqlens values are trusted by the custom ops (the core is called with ``check
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import Optional
 
@@ -202,7 +203,15 @@ def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window
                                            dv=grads[2]), spec, softmax_scale,
                        _kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
         return tuple(grads)
-    if varlen:
+    _launch_bwd(spec, family, grads, dout, q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k)
+    return tuple(grads)
+
+
+def _launch_bwd(spec, family, grads, dout, q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k) -> None:
+    """The family's fused backward kernel into ``grads`` (dq, dk, dv), with its fp32 workspace."""
+    if cu_seqlens_q is not None:
         sizes = (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     else:
         sizes = (q.shape[0], q.shape[1], k.shape[1], q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
@@ -211,7 +220,6 @@ def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window
     ws = [_new(shape, torch.float32, q.device, fill) for _, shape, _, fill in layout]
     _BWD[family](dout, q, k, v, out, lse, *grads, workspace=ws,
                  **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return tuple(grads)
 
 
 def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefetched=None):
@@ -249,9 +257,45 @@ def _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths=No
     check_attention(family, "bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), causal,
                     *varlen_args)
     scale = check_scale(softmax_scale)
-    if lengths is not None:
-        return gemm_backward_varlen(dout, q, k, v, out, lse, *lengths, softmax_scale=scale, causal=causal)
-    return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
+    if lengths is None:
+        return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
+    groups = _gemm_route.varlen_groups(*lengths, q.shape[1])
+    groups, short = _gemm_route.split_short_groups(groups, q.shape[1] // k.shape[1])
+    grads = gemm_backward_varlen(dout, q, k, v, out, lse, *lengths, softmax_scale=scale, causal=causal,
+                                 groups=groups)
+    if short:
+        _log.debug("xattn backward route gemm: %d of %d documents (groups under the table's key count) on "
+                   "the fused varlen backward", len(short), len(lengths[0]))
+        _ffpa_documents_bwd(grads, short, lengths, dout, q, k, v, out, lse, family, softmax_scale, causal)
+    return grads
+
+
+def _ffpa_documents_bwd(grads, docs, lengths, dout, q, k, v, out, lse, family, softmax_scale, causal) -> None:
+    """The packed backward of documents ``docs`` (indices; each with rows and keys) on the family's fused
+    varlen kernel, written into their rows of ``grads`` (dq ``[Tq, Hq, D]``, dk/dv ``[Tk, Hkv, D]``):
+    their rows are gathered into one packed sub-batch (index tables and cu_seqlens in one pinned
+    asynchronous copy: no host sync), run, and scattered back."""
+    lens_q, lens_k = lengths
+    starts_q = list(itertools.accumulate(lens_q[:-1], initial=0))
+    starts_k = list(itertools.accumulate(lens_k[:-1], initial=0))
+    rows_q = [r for i in docs for r in range(starts_q[i], starts_q[i] + lens_q[i])]
+    rows_k = [r for i in docs for r in range(starts_k[i], starts_k[i] + lens_k[i])]
+    cu_q = list(itertools.accumulate((lens_q[i] for i in docs), initial=0))
+    cu_k = list(itertools.accumulate((lens_k[i] for i in docs), initial=0))
+    table = torch.tensor(rows_q + rows_k + cu_q + cu_k, dtype=torch.int64)
+    table = table.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else table.to(q.device)
+    tq, tk = len(rows_q), len(rows_k)
+    idx_q, idx_k = table[:tq], table[tq:tq + tk]
+    sub_cu_q, sub_cu_k = (x.to(torch.int32) for x in (table[tq + tk:tq + tk + len(cu_q)], table[tq + tk + len(cu_q):]))
+    pick_q, pick_k = (lambda x: x.index_select(0, idx_q)), (lambda x: x.index_select(0, idx_k))
+    sub = (pick_q(dout), pick_q(q), pick_k(k), pick_k(v), pick_q(out), lse.index_select(1, idx_q))
+    spec = _spec("bwd", family, sub[1], sub[2], sub[3], causal, -1, -1, True)
+    fills = spec.output_fill()
+    sub_grads = [_new(t.shape, t.dtype, t.device, fills.get(n)) for t, n in zip(sub[1:4], ("dq", "dk", "dv"))]
+    _launch_bwd(spec, family, sub_grads, *sub, softmax_scale, sub_cu_q, sub_cu_k, max(lens_q[i] for i in docs),
+                max(lens_k[i] for i in docs))
+    for grad, idx, part in zip(grads, (idx_q, idx_k, idx_k), sub_grads):
+        grad.index_copy_(0, idx, part)
 
 
 @torch.library.custom_op("xattn::bwd", mutates_args=())
