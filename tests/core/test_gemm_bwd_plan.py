@@ -155,3 +155,19 @@ def test_diagonal_pieces_cover_each_block_within_its_causal_limit(nq, nk, rows, 
     assert all(len(c) == 1 and c[0][2] == nk for c in flat.pieces)
     with pytest.raises(ValueError, match="pieces"):
         gb.plan(1, nq, nk, 4, True, rows=rows, pieces=0)
+
+
+def test_short_groups_split_off_under_auto(monkeypatch):
+    """Under the auto route, groups padded under the table's key count leave the GEMMs (their documents,
+    sorted); forced routes keep every group; the memory bound then counts the fused call's sub-batch."""
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    lens = [4000, 300, 0, 17, 2100, 1000, 1]
+    groups = gb.varlen_groups(lens, lens, 8)
+    long, short = gb.split_short_groups(groups, 8)
+    assert [grp.docs for grp in long] == [(0,), (4,)] and short == (1, 3, 5, 6)
+    assert gb.split_short_groups(groups, 1)[1] == (0, 1, 3, 4, 5, 6)  # no GQA: GEMMs from 8192 keys
+    assert gb.split_short_groups(groups, 8, route="gemm") == (groups, ())
+    many = [2048] + [100] * 500
+    auto, forced = (gb.varlen_workspace_bytes(many, many, 8, 1, 512, True, route=r) for r in ("auto", "gemm"))
+    sub = 4 * 2 * 500 * 100 * 9 * 512  # gathered dout/q/out/dq (8 heads) and k/v/dk/dv (1 head)
+    assert sub < auto < forced  # the short documents cost less memory on the fused kernel, too

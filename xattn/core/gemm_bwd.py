@@ -42,6 +42,7 @@ Environment: ``XATTN_BWD_ROUTE`` = ``auto`` (default: the measured table below) 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -330,14 +331,21 @@ def split_short_groups(groups, qhead_per_kvhead: int, route: str | None = None) 
 
 
 def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, head_dim: int, causal: bool,
-                           budget: int | None = None, elem_bytes: int = 2) -> int:
+                           budget: int | None = None, elem_bytes: int = 2, route: str | None = None) -> int:
     """Upper bound of the scratch one packed backward allocates beyond its dq/dk/dv outputs (which
     carry one spare row each): ``8·Hq·Tq`` (row bias and δ of every row) ``+``
-    :data:`DELTA_SLICE_BYTES`, plus the largest group's blocks: :func:`workspace_bytes` of its
+    :data:`DELTA_SLICE_BYTES`, plus the largest GEMM group's blocks: :func:`workspace_bytes` of its
     padded batch (gathered q/dout/dq and K/V count as that bound's row and key copies), its
     16-bit dK/dV before they are scattered ``4·elem·G·Hkv·Nk8·D`` more than the bound's K/V copies,
-    and the gather/scatter indices ``(8·3 + 2)·G·Hq·Nq_pad + (8·2 + 1)·G·Hkv·Nk8``."""
+    and the gather/scatter indices ``(8·3 + 2)·G·Hq·Nq_pad + (8·2 + 1)·G·Hkv·Nk8``.
+
+    Under ``route`` ``auto`` (default: ``XATTN_BWD_ROUTE``) the documents of
+    :func:`split_short_groups` run afterwards on FFPA's varlen backward (the GEMM part is freed by
+    then, so the larger of the two counts): their gathered dout/q/out/dq ``4·elem·Tq'·Hq·D`` and
+    k/v/dk/dv ``4·elem·Tk'·Hkv·D``, lse ``4·Hq·Tq'``, FFPA's workspace
+    (:func:`xattn.core.workspace.bwd_workspace_shapes`) and the index table ``8·(Tq' + Tk' + 2·(B' + 1))``."""
     groups = varlen_groups(seqlens_q, seqlens_k, heads_q, budget)
+    groups, short = split_short_groups(groups, heads_q // heads_kv, route)
     per_row = 8 * heads_q * sum(seqlens_q) + DELTA_SLICE_BYTES
     worst = 0
     for grp in groups:
@@ -347,4 +355,16 @@ def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, he
         keys = 4 * elem_bytes * n * heads_kv * p.keys_stride * head_dim
         index = 26 * n * heads_q * p.padded_q + 17 * n * heads_kv * p.keys_stride
         worst = max(worst, blocks - DELTA_SLICE_BYTES + keys + index)
-    return per_row + worst
+    if not short:
+        return per_row + worst
+    from .spec import KernelSpec
+    from .workspace import bwd_workspace_shapes
+
+    tq, tk = sum(seqlens_q[i] for i in short), sum(seqlens_k[i] for i in short)
+    spec = KernelSpec("ffpa", "bwd", "bfloat16", head_dim, head_dim, heads_q // heads_kv, causal, True)
+    shapes = bwd_workspace_shapes(spec, len(short), max(seqlens_q[i] for i in short),
+                                  max(seqlens_k[i] for i in short), tq, tk, heads_q, heads_kv)
+    fused = sum(4 * math.prod(shape) for _, shape, _, _ in shapes)
+    sub = 4 * elem_bytes * (tq * heads_q + tk * heads_kv) * head_dim + 4 * heads_q * tq
+    sub += 8 * (tq + tk + 2 * len(short) + 2)
+    return max(per_row + worst, sub + fused)
