@@ -184,8 +184,8 @@ def test_varlen_documents_vs_fp64(lens_q, lens_k, hq, hkv, causal, rows):
 
 
 def test_varlen_groups_share_launches():
-    """Many short documents of one padded length run as one batch: one probabilities launch per
-    diagonal piece of the group's one block, not one per document."""
+    """Many short documents of one padded length run as one batch: one probabilities launch (per
+    diagonal piece of the group's one block), not one per document."""
     lens = [100, 110, 120, 128, 97] * 4
     q, k, v, dout, cu_q, cu_k = _varlen_case(lens, lens, 2, 1)
     out, lse, want = _varlen_want(q, k, v, dout, cu_q, cu_k, 0.2, True)
@@ -195,7 +195,7 @@ def test_varlen_groups_share_launches():
                                   causal=True, gemms=gemms)
     (grp,) = gb.plan_mod.varlen_groups(lens, lens, 2)
     (pieces,) = gb.plan_mod.plan(len(grp.docs), grp.pad_q, grp.pad_k, 2, True, shift=grp.shift).pieces
-    assert len(pieces) == 2 and numpy_gemm.CALLS.count("probs_causal") == 2  # 128 rows: two 64-row pieces
+    assert numpy_gemm.CALLS.count("probs_causal") == len(pieces)  # one per piece of the group's one block
     for x, r in zip(got, want):
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
 
