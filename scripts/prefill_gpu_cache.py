@@ -63,6 +63,9 @@ def specs(recorded=None, fuzz=False):
 
     out += [GemmSpec(kind, dtype, d32) for dtype in ("bfloat16", "float16") for kind in KINDS
             for d32 in ((False, True) if kind == "acc" else (False,))]
+    tile_variants = ((128, 192), (64, 256), (128, 256))  # benchmarks/tools/diag_pieces_probe.py's A/B (bf16)
+    out += [GemmSpec(kind, "bfloat16", d32, tile) for tile in tile_variants for kind in ("acc", "mm_dq", "mm_kv")
+            for d32 in ((False, True) if kind == "acc" else (False,))]
     for d, dtype in ((320, "bfloat16"), (384, "float16"), (448, "bfloat16")):
         for causal in (False, True):
             add("ffpa", d, d, 2, causal, dtype=dtype)

@@ -30,7 +30,8 @@ writes only D's first M rows, so C and D may be one buffer (JAX aliases them). A
 come the scalar (``scale_log2`` / ``scale``, fp32; none for the plain GEMMs) and
 ``max_active_clusters`` (Int32, :func:`max_active_clusters`); they run on the TVM-FFI
 environment stream. D is 16-bit (q's dtype) except for ``acc`` with ``d32``.
-Compile key: :class:`GemmSpec`; tile 128x192, cluster 2x1, pingpong, static persistent schedule.
+Compile key: :class:`GemmSpec`; tile 128x192 (128x128 for the N = head-dim kinds), cluster 2x1,
+pingpong, static persistent schedule.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ __all__ = ["GemmSpec", "KINDS", "compile_gemm", "max_active_clusters", "source_d
 
 KINDS = ("probs_causal", "probs_full", "grad_scores", "acc", "mm_dq", "mm_kv")
 TILE_MN = (128, 192)
+# The GEMMs whose N is the head dim (dK/dV, dq): 512 on 192-wide tiles computes 576 columns. H200, torch
+# backward TFLOP/s, default -> (128, 128) (benchmarks/tools/diag_pieces_probe.py,
+# results/logs/diag_tiles_probe_h200.log): Hq16/Hkv16 causal 8k 375.7 -> 377.5, 16k 392.7 -> 409.4;
+# Hq32/Hkv4 causal 8k 379.9 -> 390.1, 16k 429.1 -> 440.9 ((64, 256) and (128, 256) were slower).
+KIND_TILES = {"acc": (128, 128), "mm_dq": (128, 128), "mm_kv": (128, 128)}
 CLUSTER_MNK = (2, 1, 1)
 MAX_SWIZZLE = 8
 
@@ -69,19 +75,28 @@ def source_digest() -> str:
 @dataclass(frozen=True)
 class GemmSpec:
     """Compile key of one GEMM launcher: ``kind`` (:data:`KINDS`), 16-bit ``dtype`` of A/B,
-    ``d32`` (``acc`` only: D in fp32, i.e. accumulate in place; else D in ``dtype``). Goes through
+    ``d32`` (``acc`` only: D in fp32, i.e. accumulate in place; else D in ``dtype``), ``tile`` (M, N)
+    (default: the kind's, :data:`KIND_TILES` or :data:`TILE_MN`; pingpong up to :data:`TILE_MN`'s
+    area, cooperative above). Goes through
     the same launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`."""
 
     kind: str
     dtype: str
     d32: bool = False
+    tile: tuple[int, int] | None = None  # None: the kind's (KIND_TILES, else TILE_MN)
     arch: str = "sm_90a"
     source: str = field(default_factory=source_digest)
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
+    def __post_init__(self):
+        if self.tile is None:
+            object.__setattr__(self, "tile", KIND_TILES.get(self.kind, TILE_MN))
+        object.__setattr__(self, "tile", tuple(self.tile))
+
     def short_name(self) -> str:
         # "ffpa_bwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
-        return f"ffpa_bwd_gemm_{self.kind}_{self.dtype}{'_d32' if self.d32 else ''}_{self.arch}"
+        tile = "" if self.tile == KIND_TILES.get(self.kind, TILE_MN) else f"_t{self.tile[0]}x{self.tile[1]}"
+        return f"ffpa_bwd_gemm_{self.kind}_{self.dtype}{'_d32' if self.d32 else ''}{tile}_{self.arch}"
 
     def target_name(self) -> str:
         digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]
@@ -195,8 +210,9 @@ def compile_gemm(spec: GemmSpec):
         raise ValueError(f"d32 is for the 'acc' launcher only, not {spec.kind!r}")
     cls = _epi_class(spec.kind)
     dt = CUTE_DTYPES[spec.dtype]
-    gemm = partial(cls, pingpong=True, is_persistent=True)(Float32, dt, TILE_MN, CLUSTER_MNK, gather_A=False,
-                                                          concat_layout=None)
+    pingpong = spec.tile[0] * spec.tile[1] <= TILE_MN[0] * TILE_MN[1]  # larger tiles: cooperative (registers)
+    gemm = partial(cls, pingpong=pingpong, is_persistent=True)(Float32, dt, spec.tile, CLUSTER_MNK, gather_A=False,
+                                                              concat_layout=None)
     # every operand crosses in its natural row-major form; transposed operands are relabelled here
     gemm.a_transposed = spec.kind in ("acc", "mm_kv")  # X (L, K, M) -> A (L, M, K)
     gemm.b_transposed = spec.kind in ("acc", "mm_kv", "mm_dq")  # Y (L, K, N) -> B (L, N, K)

@@ -38,15 +38,18 @@ class CoreGemms:
     parameter order: inputs, outputs, scalar, ``max_active_clusters``.
 
     ``launcher(spec) -> callable`` defaults to the compiled launcher of the core cache (tests pass
-    stand-ins). ``num_sms`` is the GPU's SM count (it sizes the persistent schedule)."""
+    stand-ins). ``num_sms`` is the GPU's SM count (it sizes the persistent schedule). ``tiles``:
+    ``{kind: (M, N)}`` for launchers of another tile than the kind's default
+    (:class:`xattn.core.gemm_sm90.GemmSpec`)."""
 
-    def __init__(self, dtype: torch.dtype, num_sms: int, launcher=None):
+    def __init__(self, dtype: torch.dtype, num_sms: int, launcher=None, tiles=None):
         from xattn.core.gemm_sm90 import max_active_clusters
 
         if dtype not in _DTYPES:
             raise ValueError(f"the GEMM backward runs float16/bfloat16, got {dtype}")
         self._dtype, self._clusters = _DTYPES[dtype], max_active_clusters(num_sms)
         self._launcher = launcher or _core_launcher
+        self._tiles = dict(tiles or {})  # kind -> (M, N) tile; the launchers' default elsewhere
         self._fns: dict = {}
 
     def _fn(self, kind: str, d32: bool = False):
@@ -54,7 +57,8 @@ class CoreGemms:
         if fn is None:
             from xattn.core.gemm_sm90 import GemmSpec
 
-            fn = self._fns[kind, d32] = self._launcher(GemmSpec(kind, self._dtype, d32))
+            spec = GemmSpec(kind, self._dtype, d32, self._tiles.get(kind))
+            fn = self._fns[kind, d32] = self._launcher(spec)
         return fn
 
     def probs(self, q, keys, p, p32, rowbias, rowpos, colpos, scale_log2: float, causal: bool) -> None:
