@@ -175,9 +175,8 @@ class GemmBwdPlan:
     """Blocks of one backward: ``rows`` query rows each, ``blocks[c] = (row_start, kend)``, and
     ``pieces[c]``: the block's rows cut along its causal diagonal, ``(lo, hi, keys)`` = rows
     ``[lo, hi)`` of the block (relative to its start; up to its last real row) see only its first
-    ``keys`` keys. ``keys``
-    grows with ``lo``, is a multiple of :data:`ROW_ALIGN` except the last piece's (``kend``), and is
-    at least every row's causal limit; non-causal blocks are one piece."""
+    ``keys`` keys. ``keys`` grows with ``lo``, is a multiple of :data:`ROW_ALIGN` except the last
+    piece's (``kend``), and is at least every row's causal limit; non-causal blocks are one piece."""
 
     rows: int
     num_blocks: int

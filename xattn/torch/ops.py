@@ -275,25 +275,25 @@ def _ffpa_documents_bwd(grads, docs, lengths, dout, q, k, v, out, lse, family, s
     varlen kernel, written into their rows of ``grads`` (dq ``[Tq, Hq, D]``, dk/dv ``[Tk, Hkv, D]``):
     their rows are gathered into one packed sub-batch (index tables and cu_seqlens in one pinned
     asynchronous copy: no host sync), run, and scattered back."""
-    lens_q, lens_k = lengths
-    starts_q = list(itertools.accumulate(lens_q[:-1], initial=0))
-    starts_k = list(itertools.accumulate(lens_k[:-1], initial=0))
-    rows_q = [r for i in docs for r in range(starts_q[i], starts_q[i] + lens_q[i])]
-    rows_k = [r for i in docs for r in range(starts_k[i], starts_k[i] + lens_k[i])]
-    cu_q = list(itertools.accumulate((lens_q[i] for i in docs), initial=0))
-    cu_k = list(itertools.accumulate((lens_k[i] for i in docs), initial=0))
-    table = torch.tensor(rows_q + rows_k + cu_q + cu_k, dtype=torch.int64)
+    def rows_of(lens):  # the packed rows of `docs` (host, vectorised) and their sub-batch cu_seqlens
+        sel = torch.tensor([lens[i] for i in docs], dtype=torch.int64)
+        starts = torch.tensor(list(itertools.accumulate(lens[:-1], initial=0)), dtype=torch.int64)[list(docs)]
+        cu = torch.nn.functional.pad(sel.cumsum(0), (1, 0))
+        return torch.arange(int(cu[-1])) + torch.repeat_interleave(starts - cu[:-1], sel), cu
+
+    (rows_q, cu_q), (rows_k, cu_k) = rows_of(lengths[0]), rows_of(lengths[1])
+    table = torch.cat([rows_q, rows_k, cu_q, cu_k])
     table = table.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else table.to(q.device)
-    tq, tk = len(rows_q), len(rows_k)
+    tq, tk, nc = rows_q.numel(), rows_k.numel(), cu_q.numel()
     idx_q, idx_k = table[:tq], table[tq:tq + tk]
-    sub_cu_q, sub_cu_k = (x.to(torch.int32) for x in (table[tq + tk:tq + tk + len(cu_q)], table[tq + tk + len(cu_q):]))
+    sub_cu_q, sub_cu_k = (x.to(torch.int32) for x in (table[tq + tk:tq + tk + nc], table[tq + tk + nc:]))
     pick_q, pick_k = (lambda x: x.index_select(0, idx_q)), (lambda x: x.index_select(0, idx_k))
     sub = (pick_q(dout), pick_q(q), pick_k(k), pick_k(v), pick_q(out), lse.index_select(1, idx_q))
     spec = _spec("bwd", family, sub[1], sub[2], sub[3], causal, -1, -1, True)
     fills = spec.output_fill()
     sub_grads = [_new(t.shape, t.dtype, t.device, fills.get(n)) for t, n in zip(sub[1:4], ("dq", "dk", "dv"))]
-    _launch_bwd(spec, family, sub_grads, *sub, softmax_scale, sub_cu_q, sub_cu_k, max(lens_q[i] for i in docs),
-                max(lens_k[i] for i in docs))
+    _launch_bwd(spec, family, sub_grads, *sub, softmax_scale, sub_cu_q, sub_cu_k, max(lengths[0][i] for i in docs),
+                max(lengths[1][i] for i in docs))
     for grad, idx, part in zip(grads, (idx_q, idx_k, idx_k), sub_grads):
         grad.index_copy_(0, idx, part)
 
