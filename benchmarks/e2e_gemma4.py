@@ -134,13 +134,13 @@ def build_torch_step(impl: str, n: int, packed: bool = False, reverse: bool = Fa
     return step
 
 
-def condition(model) -> None:
+def condition(model, device: str = "cuda") -> None:
     """Well-conditioned weights for a numerical comparison (a model built on the GPU from its config
     holds whatever HF's device-side construction left, a loss of ~42 here): norms 1, matrices
     N(0, 0.02) (HF's initializer_range), q_norm x 0.1 so attention scores stay in a sane range."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:

@@ -23,6 +23,10 @@
 #                DIAG_SHAPES)
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
+#   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
+#                DECODE_PROMPT) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
+#   decode-profile  benchmarks/tools/decode_profile.py (host time of a decode step by module, syncs by call site;
+#                DECODE_PROFILE_MODE, DECODE_PROFILE_LABEL) -> $OUT/results/decode_profile_h200.json (continuing)
 #   memory       benchmarks/memory_growth.py (1,000 mixed calls in one process) -> $OUT/results/memory_growth_h200.json
 #   jax-probe    benchmarks/tools/jax_two_gpu_probe.py (2 GPUs; native stacks of a hang when .gpu/tools/py-spy.xz
 #                is carried) -> $OUT/probe.log
@@ -68,6 +72,16 @@ for step in "$@"; do
             timeout "$t" python benchmarks/packed.py --frameworks "${PACKED_FRAMEWORKS:-torch,jax}" \
               ${PACKED_DOCS:+--docs "$PACKED_DOCS"} --out "$OUT/results/packed_h200.json" 2>&1 | grep -v Warning \
               | tee -a "$OUT/steps.log" | tail -16 ;;
+    decode) [ -f benchmarks/results/decode_h200.json ] && [ ! -f "$OUT/results/decode_h200.json" ] \
+              && cp benchmarks/results/decode_h200.json "$OUT/results/decode_h200.json"
+            timeout "$t" python benchmarks/decode.py --impls "${DECODE_IMPLS:-ffpa,sdpa,flash_attention_2}" \
+              --modes "${DECODE_MODES:-eager,graphs}" --prompt "${DECODE_PROMPT:-8192}" \
+              --out "$OUT/results/decode_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
+    decode-profile) [ -f benchmarks/results/decode_profile_h200.json ] && [ ! -f "$OUT/results/decode_profile_h200.json" ] \
+              && cp benchmarks/results/decode_profile_h200.json "$OUT/results/decode_profile_h200.json"
+            timeout "$t" python benchmarks/tools/decode_profile.py --mode "${DECODE_PROFILE_MODE:-eager}" \
+              --label "${DECODE_PROFILE_LABEL:-}" --out "$OUT/results/decode_profile_h200.json" 2>&1 \
+              | grep -v Warning | tee -a "$OUT/probe.log" | tail -60 ;;
     e2e-packed-*|e2e-check) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
               && cp benchmarks/results/e2e_gemma4_h200.json "$OUT/results/e2e_gemma4_h200.json"
             part=${step#e2e-packed-}; extra="--packed"

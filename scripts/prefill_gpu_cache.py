@@ -82,6 +82,7 @@ def specs(recorded=None, fuzz=False):
         for causal in (False, True):
             add("fa4", d, dv, g, causal, varlen=True)
     add("fa4", 256, 256, 2, False, window=(1023, 0))
+    add("fa4", 256, 256, 2, False, varlen=True, window=(1023, 0), directions=("fwd",))  # decode, padded batches
     for dtype in ("bfloat16", "float16"):  # tiny Gemma 4 in the HF parity test (both dtypes)
         for varlen in (False, True):
             add("fa4", 256, 256, 2, False, varlen, window=(15, 0), dtype=dtype)

@@ -82,9 +82,14 @@ def _warn_once(reason: str, message: str, target: str = "sdpa") -> None:
                        extra={"reason": reason, "target": target})
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # torch.compile reads the answer at trace time (the probe is not traceable)
 def kernels_available() -> str | None:
     """``None`` when the sm90 kernels can run here, else why not (probed once per process)."""
+    return _probe_kernels()
+
+
+@functools.cache
+def _probe_kernels() -> str | None:
     from xattn.core.info import collect
 
     fams = collect()["families"]
@@ -218,7 +223,9 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
 
     if isinstance(attention_mask, (KernelMask, PlannedMask)):
         return attention_mask  # prepared earlier (generate() with a static cache), as HF returns 4D masks
-    q_length, kv_length, q_offset, kv_offset = (int(x) for x in (q_length, kv_length, q_offset, kv_offset))
+    q_length, kv_length, kv_offset = (int(x) for x in (q_length, kv_length, kv_offset))
+    if not isinstance(q_offset, torch.Tensor):  # a static cache's is a device tensor: planned there, no sync
+        q_offset = int(q_offset)
     config = kwargs.get("config")
     device = kwargs.pop("device", None) or (attention_mask.device if attention_mask is not None else "cpu")
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -249,7 +256,6 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     keep = None
     if attention_mask is not None:
         keep = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
-        keep = None if bool(keep.all()) else keep
     plan = plan_hf_mask(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, keep, device,
                         hf_sdpa_mask)
     if isinstance(plan, str):

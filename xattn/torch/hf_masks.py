@@ -327,6 +327,22 @@ def _padded_plan(pattern: Pattern, keep: torch.Tensor, nq: int, base: int):
                 max_seqlen_q=nq, max_seqlen_k=max(k_lens), description=f"padded: {b} rows")
 
 
+def _static_cache_plan(pattern: Pattern, b: int, nq: int, nk: int, base: torch.Tensor) -> dict:
+    """A causal-side window over a static cache whose fill is only known on the device: each row's
+    keys ``[0, base + nq)`` are one varlen segment holding the row's queries (bottom-right aligned
+    there, so the window is the pattern's own), the empty slots ``[base + nq, nk)`` a segment with no
+    queries. Built on the device (no host sync); its sizes are the same every step, so a compiled
+    decode step sees the same plan each token (CUDA-graph replay). ``filled`` (0-d int32) is the
+    filled length."""
+    rows = torch.arange(b, device=base.device, dtype=torch.int32)
+    filled = (base.reshape(()).to(torch.int32) + nq).clamp(0, nk)
+    seg_k = torch.stack([rows * nk + filled, (rows + 1) * nk], 1).flatten()
+    seg_q = torch.stack([(rows + 1) * nq, (rows + 1) * nq], 1).flatten()
+    zero = rows.new_zeros(1)
+    return dict(window=(pattern.left, 0), cu_seqlens_q=torch.cat([zero, seg_q]), cu_seqlens_k=torch.cat([zero, seg_k]),
+                max_seqlen_q=nq, max_seqlen_k=nk, description=f"static cache: {b} rows", filled=filled)
+
+
 def _visible_keys(left, right, base: int, nq: int, nk: int) -> tuple[int, int]:
     """``[start, stop)``: the keys some query can see (key j is visible to query i only if
     ``i + base - left <= j <= i + base + right``); the rest need not reach the kernels."""
@@ -345,6 +361,14 @@ def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: in
     """
     base = q_offset - kv_offset  # key j is visible to query i iff i + base - left <= j <= i + base + right
     sizes = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, _materialize=materialize)
+    if isinstance(base, torch.Tensor):  # a static cache's offset, a device tensor (HF's StaticLayer)
+        if pattern.doc_ids is None and pattern.right == 0:
+            plan = _static_cache_plan(pattern, batch_size, q_length, kv_length, base)
+            filled = plan.pop("filled")
+            # keys past the last query's diagonal are invisible: only the padding of the filled slots counts
+            if keep is None or bool((keep | (torch.arange(kv_length, device=keep.device) >= filled)).all()):
+                return KernelMask(**sizes, **plan)
+        base = int(base)  # padding, documents or keys right of the diagonal: plan on the host (one sync)
     if keep is not None and bool(keep.all()):
         keep = None
     if pattern.doc_ids is not None:

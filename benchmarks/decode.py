@@ -1,0 +1,225 @@
+"""Greedy decode latency (issue #25): ms per new token and prefill time of HF Gemma 4 with the 31B
+layer dims (:func:`benchmarks.ring.gemma4_31b_dims`: 6 layers, 5 sliding : 1 full, vocab 8192), B 1, bf16,
+on well-conditioned weights (:func:`benchmarks.e2e_gemma4.condition`).
+
+    python benchmarks/decode.py [--impls ffpa,sdpa,flash_attention_2] [--modes eager,graphs]
+                                [--prompt 8192] [--tokens 64] [--out FILE]
+
+Modes:
+
+* ``eager``: ``generate()`` with a fresh ``DynamicCache`` (HF's default: eager forward per token).
+* ``graphs``: ``generate()`` with one ``StaticCache`` (reset per call), which HF compiles with its default
+  ``CompileConfig``: ``torch.compile(mode="reduce-overhead")``, CUDA graphs replayed per token, as
+  ``generate(..., cache_implementation="static")`` runs. The prefill runs eager.
+
+Each (impl, mode) runs in its own process: one warm-up ``generate()`` (kernels loaded; graphs compiled
+and captured), then 3 times a 1-token and a ``--tokens``-token ``generate()`` (synchronised):
+``prefill_s`` is the 1-token call, ``ms_per_token`` the difference per extra token (medians). That is
+the whole decode step as a user sees it: HF's per-step work (mask creation, logits processing, its
+own host syncs) included. ``tokens`` are the greedy tokens, so rows can be compared with sdpa's
+(``tokens_equal_sdpa``: the share of leading tokens equal).
+Rows: ``impl, mode, prompt_len, new_tokens, ms_per_token, prefill_s, status`` ("ok" / "oom" / "error: ...").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+IMPLS = ("ffpa", "sdpa", "flash_attention_2")
+MODES = ("eager", "graphs")
+VOCAB = 8192
+LAYERS = 6
+DEVICE = os.environ.get("DECODE_DEVICE", "cuda")  # "cpu": a smoke run of the loop (tests), no timings worth reading
+
+
+def sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def log(msg: str) -> None:
+    print(f"[decode {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_model(impl: str, config=None):
+    """HF Gemma 4 (31B layer dims, :data:`LAYERS` layers; or ``config``) on :data:`DEVICE` in bf16 with
+    well-conditioned weights, eval."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import xattn.torch as xt
+    from benchmarks.e2e_gemma4 import condition
+    from benchmarks.ring import gemma4_31b_dims
+
+    xt.register_ffpa_attention()
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config or gemma4_31b_dims(LAYERS, VOCAB), attn_implementation=impl,
+                                                 dtype=torch.bfloat16)
+    condition(model, DEVICE)
+    return model.eval()
+
+
+def prompt_ids(n: int):
+    import torch
+
+    g = torch.Generator(device=DEVICE).manual_seed(n)
+    return torch.randint(0, VOCAB, (1, n), device=DEVICE, generator=g)
+
+
+class Decoder:
+    """Greedy ``generate()`` of one model in one mode on a fixed prompt (see the module docstring)."""
+
+    def __init__(self, model, mode: str, prompt: int, tokens: int):
+        from transformers import StaticCache
+        from transformers.generation.configuration_utils import CompileConfig
+
+        self.model, self.mode, self.prompt, self.tokens = model, mode, prompt, tokens
+        self.ids = prompt_ids(prompt)
+        self.static = None
+        self.compile = CompileConfig()  # HF's default for static caches: torch.compile(mode="reduce-overhead")
+        if mode == "graphs":  # one cache for every call: the captured graphs keep its addresses
+            self.static = StaticCache(config=model.config, max_cache_len=prompt + tokens)
+            self.compile._compile_all_devices = DEVICE != "cuda"  # the CPU smoke run compiles too (no graphs)
+
+    def generate(self, tokens: int) -> tuple[float, list[int]]:
+        """``(seconds, new tokens)`` of one synchronised ``generate()`` of ``tokens`` new tokens."""
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config) if self.static is None else self.static
+        if self.static is not None:
+            cache.reset()
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(self.ids, attention_mask=torch.ones_like(self.ids), max_new_tokens=tokens,
+                                      min_new_tokens=tokens, do_sample=False, cache=cache,
+                                      compile_config=self.compile, disable_compile=self.static is None)
+        sync()
+        return time.perf_counter() - t0, out[0, self.prompt:].tolist()
+
+    def run(self, repeats: int = 3) -> dict:
+        """Median over ``repeats`` of: ``prefill_s`` (a 1-token generate), ``ms_per_token`` (the extra time of
+        a ``tokens``-token generate, per extra token); and the tokens."""
+        import statistics
+
+        self.generate(self.tokens)  # kernels loaded; under graphs: compiled and captured
+        prefill, per_token = [], []
+        for _ in range(repeats):
+            one, _ = self.generate(1)
+            full, tokens = self.generate(self.tokens)
+            prefill.append(one)
+            per_token.append((full - one) / max(self.tokens - 1, 1) * 1e3)
+        return dict(prefill_s=statistics.median(prefill), ms_per_token=statistics.median(per_token),
+                    ms_per_token_runs=[round(x, 3) for x in per_token], tokens=tokens)
+
+
+def child(impl: str, mode: str, prompt: int, tokens: int) -> dict:
+    import torch
+
+    from torch._dynamo.utils import counters
+
+    got = Decoder(build_model(impl), mode, prompt, tokens).run()
+    stats = dict(unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
+                 **{k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
+    return dict(**got, compile_stats=stats, device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE)
+
+
+def measure(impl: str, mode: str, prompt: int, tokens: int, timeout: float) -> dict:
+    from benchmarks.e2e_gemma4 import _error_line, _is_oom
+
+    row = dict(impl=impl, mode=mode, prompt_len=prompt, new_tokens=tokens, batch=1, layers=LAYERS)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, mode, str(prompt), str(tokens)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": f"error: timeout after {timeout:.0f} s"}
+    result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode == 0 and result:
+        got = json.loads(result[-1][7:])
+        row.update(status="ok", ms_per_token=round(got["ms_per_token"], 3), prefill_s=round(got["prefill_s"], 4),
+                   ms_per_token_runs=got["ms_per_token_runs"], compile_stats=got["compile_stats"], tokens=got["tokens"],
+                   device=got["device"])
+    elif _is_oom(proc.stderr + proc.stdout):
+        row.update(status="oom")
+    else:
+        row.update(status=f"error: {_error_line(proc.stderr)[:300]}")
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    """``tokens_equal_sdpa``: the share of leading greedy tokens equal to sdpa's eager row's."""
+    base = {r["prompt_len"]: r for r in rows if r["impl"] == "sdpa" and r["mode"] == "eager" and r["status"] == "ok"}
+    for r in rows:
+        ref = base.get(r["prompt_len"])
+        if r["status"] != "ok" or ref is None:
+            continue
+        same = 0
+        for a, b in zip(r["tokens"], ref["tokens"]):
+            if a != b:
+                break
+            same += 1
+        r["tokens_equal_sdpa"] = round(same / max(len(ref["tokens"]), 1), 3)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| impl | mode | prompt | ms/token | prefill s | tokens = sdpa's |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['impl']} | {r['mode']} | {r['prompt_len']} | {r['status']} | | |")
+            continue
+        same = r.get("tokens_equal_sdpa")
+        lines.append(f"| {r['impl']} | {r['mode']} | {r['prompt_len']} | {r['ms_per_token']:.2f} | "
+                     f"{r['prefill_s']:.3f} | {'' if same is None else f'{same:.0%}'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per (impl, mode) process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        impl, mode, prompt, tokens = args.child
+        print("RESULT " + json.dumps(child(impl, mode, int(prompt), int(tokens))), flush=True)
+        return
+    for name, allowed in (("impls", IMPLS), ("modes", MODES)):
+        bad = set(getattr(args, name).split(",")) - set(allowed)
+        if bad:
+            ap.error(f"--{name}: unknown {sorted(bad)}; choose from {','.join(allowed)}")
+    rows = []
+    if args.out and os.path.exists(args.out):
+        rows = json.load(open(args.out)).get("rows", [])
+    for mode in args.modes.split(","):
+        for impl in args.impls.split(","):
+            rows = [r for r in rows if (r["impl"], r["mode"], r["prompt_len"]) != (impl, mode, args.prompt)]
+            rows.append(measure(impl, mode, args.prompt, args.tokens, args.timeout))
+            log(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}))
+            rows = derive(rows)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(dict(benchmark="decode", layers=LAYERS, vocab=VOCAB, rows=rows), f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
