@@ -13,7 +13,7 @@ Modes:
   ``generate(..., cache_implementation="static")`` runs. The prefill runs eager.
 
 Each (impl, mode) runs in its own process: one warm-up ``generate()`` (kernels loaded; graphs compiled
-and captured), then 3 times a 1-token and a ``--tokens``-token ``generate()`` (synchronised):
+and captured), then 5 times a 1-token and a ``--tokens``-token ``generate()`` (synchronised):
 ``prefill_s`` is the 1-token call, ``ms_per_token`` the difference per extra token (medians). That is
 the whole decode step as a user sees it: HF's per-step work (mask creation, logits processing, its
 own host syncs) included. ``tokens`` are the greedy tokens, so rows can be compared with sdpa's
@@ -109,7 +109,7 @@ class Decoder:
         sync()
         return time.perf_counter() - t0, out[0, self.prompt:].tolist()
 
-    def run(self, repeats: int = 3) -> dict:
+    def run(self, repeats: int = 5) -> dict:
         """Median over ``repeats`` of: ``prefill_s`` (a 1-token generate), ``ms_per_token`` (the extra time of
         a ``tokens``-token generate, per extra token); and the tokens."""
         import statistics
