@@ -104,7 +104,7 @@ class Decoder:
         t0 = time.perf_counter()
         with torch.no_grad():
             out = self.model.generate(self.ids, attention_mask=torch.ones_like(self.ids), max_new_tokens=tokens,
-                                      min_new_tokens=tokens, do_sample=False, cache=cache,
+                                      min_new_tokens=tokens, do_sample=False, past_key_values=cache,
                                       compile_config=self.compile, disable_compile=self.static is None)
         sync()
         return time.perf_counter() - t0, out[0, self.prompt:].tolist()

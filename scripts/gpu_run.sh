@@ -47,7 +47,7 @@ if [ -f .gpu/kc/kernels.tar.xz ] && [ -n "${XATTN_CACHE_DIR:-}" ] && [ ! -f "$XA
   mkdir -p "$XATTN_CACHE_DIR" && tar xJf .gpu/kc/kernels.tar.xz -C "$XATTN_CACHE_DIR" && touch "$XATTN_CACHE_DIR/.prefilled"
   echo "gpu_run: unpacked $(ls "$XATTN_CACHE_DIR"/*.o | wc -l) prefilled kernel-cache entries"
 fi
-python -c "import sys; from xattn.core.info import report; print(sys.version.split()[0]); print(report())" | tee "$OUT/info.txt"
+python -c "import sys, torch, transformers; from xattn.core.info import report; print(sys.version.split()[0], \"torch\", torch.__version__, \"transformers\", transformers.__version__); print(report())" | tee "$OUT/info.txt"
 [ -f benchmarks/results/full_h200.json ] && [ ! -f "$OUT/results/full_h200.json" ] \
   && cp benchmarks/results/full_h200.json "$OUT/results/full_h200.json"
 left() { echo $(( BUDGET_S - SECONDS )); }

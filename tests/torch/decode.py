@@ -48,7 +48,7 @@ def generate(net, ids, new: int = NEW, graphs: bool = False, cache=None):
         cache = DynamicCache(config=net.config)
     with torch.no_grad():
         out = net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, cache=cache, compile_config=compile_config,
+                           do_sample=False, past_key_values=cache, compile_config=compile_config,
                            disable_compile=not graphs, output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, ids.shape[1]:], torch.cat(out.logits).float()
 
