@@ -180,11 +180,11 @@ def main(argv=None):
                   host_bound=round(1 - gpu_per_token / plain["ms_per_token"], 3),
                   host_ms_per_step_by_module=sorted(modules, key=lambda r: -r["ms"]),
                   attention_path=path, syncs_per_step=round(sum(s["count"] for s in syncs), 2), sync_sites=syncs)
-    _print(report)
     if args.out:
         reports = json.load(open(args.out)) if os.path.exists(args.out) else []
         reports = [r for r in reports if (r["impl"], r["mode"], r["label"]) != (args.impl, args.mode, args.label)]
         json.dump(reports + [report], open(args.out, "w"), indent=1)
+    _print(report)
 
 
 def _gpu_ms(prof) -> float:
@@ -199,11 +199,13 @@ def _print(r: dict) -> None:
         print(f"  {m['ms']:8.3f}  {m['module']}")
     print("attention path (cumulative, cProfile):")
     for p in r["attention_path"]:
+        if not p["calls_per_step"]:
+            continue  # called once per generate(), not per step (or not at all): nothing per step to show
         print(f"  {p['ms_per_step']:8.3f} ms/step {p['calls_per_step']:6.1f} calls {p['us_per_call']:9.1f} us/call  "
               f"{p['function']}")
     print(f"host-device synchronisations per step: {r['syncs_per_step']}")
     for s in r["sync_sites"][:10]:
-        print(f"  {s['count']:4d}x  {s['site']}")
+        print(f"  {s['count']:5.2f}x  {s['site']}")
         for frame in s["stack"]:
             print(f"           {frame}")
     sys.stdout.flush()

@@ -29,14 +29,16 @@ def _gpu():
 
 def test_graph_decode_vs_fp32():
     from torch._dynamo.utils import counters
+    from transformers import StaticCache
 
     ids = decode.prompt("cuda")
     net = decode.model("ffpa", "cuda")
+    cache = StaticCache(config=net.config, max_cache_len=ids.shape[1] + decode.NEW)
     torch._dynamo.reset()
     counters.clear()
-    tokens, logits = decode.generate(net, ids, graphs=True)
+    tokens, logits = decode.generate(net, ids, graphs=True, cache=cache)
     recorded = counters["inductor"].get("cudagraph_recorded_non_static_inputs", 0)
-    again, logits_again = decode.generate(net, ids, graphs=True)  # replays the captured graphs
+    again, logits_again = decode.generate(net, ids, graphs=True, cache=cache)  # the same cache: graphs replayed
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     assert counters["inductor"].get("cudagraph_recorded_non_static_inputs", 0) == recorded, "re-recorded a graph"
