@@ -327,20 +327,29 @@ def _padded_plan(pattern: Pattern, keep: torch.Tensor, nq: int, base: int):
                 max_seqlen_q=nq, max_seqlen_k=max(k_lens), description=f"padded: {b} rows")
 
 
+@functools.lru_cache(maxsize=64)
+def _static_cache_tables(b: int, nq: int, nk: int, device) -> tuple[torch.Tensor, ...]:
+    """The constant parts of :func:`_static_cache_plan` (built once per shape): ``cu_seqlens_q``, the key
+    segment bounds with the filled length 0 and the selector of the bounds it moves, ``arange(nk)``."""
+    rows = torch.arange(b, device=device, dtype=torch.int64)
+    zero = rows.new_zeros(1)
+    cu_q = torch.cat([zero, torch.stack([(rows + 1) * nq, (rows + 1) * nq], 1).flatten()]).to(torch.int32)
+    bounds = torch.cat([zero, torch.stack([rows * nk, (rows + 1) * nk], 1).flatten()])
+    moves = torch.cat([zero, torch.tensor([1, 0], device=device).repeat(b)])
+    return cu_q, bounds, moves, torch.arange(nk, device=device)
+
+
 def _static_cache_plan(pattern: Pattern, b: int, nq: int, nk: int, base: torch.Tensor) -> dict:
     """A causal-side window over a static cache whose fill is only known on the device: each row's
     keys ``[0, base + nq)`` are one varlen segment holding the row's queries (bottom-right aligned
     there, so the window is the pattern's own), the empty slots ``[base + nq, nk)`` a segment with no
-    queries. Built on the device (no host sync); its sizes are the same every step, so a compiled
-    decode step sees the same plan each token (CUDA-graph replay). ``filled`` (0-d int32) is the
-    filled length."""
-    rows = torch.arange(b, device=base.device, dtype=torch.int32)
-    filled = (base.reshape(()).to(torch.int32) + nq).clamp(0, nk)
-    seg_k = torch.stack([rows * nk + filled, (rows + 1) * nk], 1).flatten()
-    seg_q = torch.stack([(rows + 1) * nq, (rows + 1) * nq], 1).flatten()
-    zero = rows.new_zeros(1)
-    return dict(window=(pattern.left, 0), cu_seqlens_q=torch.cat([zero, seg_q]), cu_seqlens_k=torch.cat([zero, seg_k]),
-                max_seqlen_q=nq, max_seqlen_k=nk, description=f"static cache: {b} rows", filled=filled)
+    queries. Built on the device (no host sync, a few tiny kernels); its sizes are the same every step,
+    so a compiled decode step sees the same plan each token (CUDA-graph replay). ``filled`` (0-d) is
+    the filled length, ``keys`` ``arange(nk)``."""
+    cu_q, bounds, moves, keys = _static_cache_tables(b, nq, nk, base.device)
+    filled = (base.reshape(()) + nq).clamp(0, nk)
+    return dict(window=(pattern.left, 0), cu_seqlens_q=cu_q, cu_seqlens_k=(bounds + moves * filled).to(torch.int32),
+                max_seqlen_q=nq, max_seqlen_k=nk, description=f"static cache: {b} rows", filled=filled, keys=keys)
 
 
 def _visible_keys(left, right, base: int, nq: int, nk: int) -> tuple[int, int]:
@@ -364,9 +373,9 @@ def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: in
     if isinstance(base, torch.Tensor):  # a static cache's offset, a device tensor (HF's StaticLayer)
         if pattern.doc_ids is None and pattern.right == 0:
             plan = _static_cache_plan(pattern, batch_size, q_length, kv_length, base)
-            filled = plan.pop("filled")
+            filled, keys = plan.pop("filled"), plan.pop("keys")
             # keys past the last query's diagonal are invisible: only the padding of the filled slots counts
-            if keep is None or bool((keep | (torch.arange(kv_length, device=keep.device) >= filled)).all()):
+            if keep is None or bool((keep | (keys >= filled)).all()):
                 return KernelMask(**sizes, **plan)
         base = int(base)  # padding, documents or keys right of the diagonal: plan on the host (one sync)
     if keep is not None and bool(keep.all()):
