@@ -70,11 +70,11 @@ def build_model(impl: str, config=None):
     return model.eval()
 
 
-def prompt_ids(n: int):
+def prompt_ids(n: int, vocab: int = VOCAB):
     import torch
 
     g = torch.Generator(device=DEVICE).manual_seed(n)
-    return torch.randint(0, VOCAB, (1, n), device=DEVICE, generator=g)
+    return torch.randint(0, vocab, (1, n), device=DEVICE, generator=g)
 
 
 class Decoder:
@@ -85,7 +85,7 @@ class Decoder:
         from transformers.generation.configuration_utils import CompileConfig
 
         self.model, self.mode, self.prompt, self.tokens = model, mode, prompt, tokens
-        self.ids = prompt_ids(prompt)
+        self.ids = prompt_ids(prompt, model.config.vocab_size)
         self.static = None
         self.compile = CompileConfig()  # HF's default for static caches: torch.compile(mode="reduce-overhead")
         if mode == "graphs":  # one cache for every call: the captured graphs keep its addresses

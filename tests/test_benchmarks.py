@@ -148,3 +148,25 @@ def test_packed_rows_and_table():
     r = packed.row("torch", "mix16k", [3, 5], 1e12, 2.0, 4.0, 1.8, "H200")
     assert r["doc_len"] == "mix" and r["varlen_tflops"] == 500.0 and r["ratio"] == 0.9
     assert "| torch | mix of 2 | 8 | **500.0** | 250.0 | 555.6 | 0.90 |" in packed.markdown([r])
+
+
+def test_decode_rows_table_and_a_cpu_run(monkeypatch):
+    """benchmarks/decode.py: tokens compared with sdpa's eager row, the table, and one real (CPU, tiny model)
+    prefill + greedy decode through generate(), timed by the same code as on the GPU (the compiled mode's
+    path is tested in tests/torch/test_decode_graphs.py)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT))
+    decode = _load("decode")
+    rows = decode.derive([dict(impl="sdpa", mode="eager", prompt_len=8, status="ok", tokens=[1, 2, 3]),
+                          dict(impl="ffpa", mode="graphs", prompt_len=8, status="ok", tokens=[1, 2, 4],
+                               ms_per_token=4.1, prefill_s=0.1),
+                          dict(impl="flash_attention_2", mode="eager", prompt_len=8, status="error: ImportError")])
+    assert rows[1]["tokens_equal_sdpa"] == round(2 / 3, 3) and "tokens_equal_sdpa" not in rows[2]
+    assert "| ffpa | graphs | 8 | 4.10 | 0.100 | 67% |" in decode.table(rows[1:])
+    from tests.torch.gemma import tiny_gemma4_config
+
+    monkeypatch.setattr(decode, "DEVICE", "cpu")
+    net = decode.build_model("sdpa", tiny_gemma4_config(hidden=64, layers=2, vocab=64, sliding_window=4))
+    got = decode.Decoder(net, "eager", 12, 4).run(repeats=2)
+    assert len(got["tokens"]) == 4 and got["ms_per_token"] > 0 and got["prefill_s"] > 0
+    assert len(got["ms_per_token_runs"]) == 2
