@@ -147,3 +147,49 @@ def test_double_backward_raises_instead_of_detaching():
     (dq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|differentiate"):
         torch.autograd.grad(dq.sum(), (q,))
+
+
+@pytest.mark.parametrize("no_grad", ["no_grad", "inputs_without_grad", "inference_mode"])
+def test_forward_without_autograd_skips_the_function_and_gives_the_same_bits(no_grad, monkeypatch):
+    """Where no gradient can be asked for (decode), the forward runs without the autograd.Function (host
+    cost); outputs are bitwise those of the differentiable path and carry no graph."""
+    from xattn.torch import ops
+
+    q, k, v = _qkv(b=1, d=512)
+    want, want_lse = xt.attention_with_lse(q, k, v, causal=True)
+    calls = []
+    monkeypatch.setattr(ops._EagerAttention, "apply", _recording(ops._EagerAttention.apply, calls))
+    plain = [t.detach() for t in (q, k, v)]
+    if no_grad == "no_grad":
+        with torch.no_grad():
+            out, lse = xt.attention_with_lse(q, k, v, causal=True)
+    elif no_grad == "inference_mode":
+        with torch.inference_mode():
+            out, lse = xt.attention_with_lse(*[t.clone() for t in plain], causal=True)
+    else:
+        out, lse = xt.attention_with_lse(*plain, causal=True)
+    assert not calls and out.grad_fn is None and not out.requires_grad
+    assert torch.equal(out, want.detach()) and torch.equal(lse, want_lse)
+    out2 = xt.attention(q, k, v, causal=True)  # inputs that require grad: the differentiable path
+    assert calls and out2.requires_grad
+
+
+def test_forward_checks_run_once_per_signature(monkeypatch):
+    """The shape checks and the launcher spec are derived once per (shapes, dtype, flags); a refused call is
+    refused every time (never cached), and another shape is checked anew."""
+    from xattn.torch import ops
+
+    checked = []
+    monkeypatch.setattr(ops, "_check_shapes", _recording(ops._check_shapes, checked))
+    monkeypatch.setattr(ops, "_FWD_PLANS", {})
+    q, k, v = (t.detach() for t in _qkv(b=1, nq=5, nk=7, d=128))
+    for _ in range(3):
+        xt.attention(q, k, v, causal=True)
+    assert len(checked) == 1
+    xt.attention(q, k, v, causal=False)
+    xt.attention(q[:, :3], k, v, causal=True)
+    assert len(checked) == 3
+    for _ in range(2):  # rank 3 without cu_seqlens: refused by the shape checks, each time
+        with pytest.raises(ValueError, match="expected rank 4"):
+            xt.attention(q[0], k[0], v[0])
+    assert len(checked) == 5 and len(ops._FWD_PLANS) == 3

@@ -164,13 +164,21 @@ def _get_ffpa_high_level():
     return _FFPA_FN, _CUTEDSL_BACKEND
 
 
-def _is_block_mask(mask) -> bool:
-    """True for a flex ``BlockMask``: that layer runs on FlexAttention."""
+@functools.cache
+def _block_mask_type() -> type | None:
     try:
         from torch.nn.attention.flex_attention import BlockMask
     except ImportError:
+        return None
+    return BlockMask
+
+
+def _is_block_mask(mask) -> bool:
+    """True for a flex ``BlockMask``: that layer runs on FlexAttention."""
+    if mask is None or isinstance(mask, (KernelMask, PlannedMask)):
         return False
-    return isinstance(mask, BlockMask)
+    kind = _block_mask_type()
+    return kind is not None and isinstance(mask, kind)
 
 
 # --- the mask factory and registration ------------------------------------------------------
@@ -481,8 +489,9 @@ def _fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwar
 
 def _run_kernels(plan: KernelMask, query, key, value, scaling):
     """The kernels on ``[B, N, H, D]`` views; returns ``[B, Nq, Hq, Dv]`` contiguous."""
-    key, value = (t[:, :, plan.kv_start:plan.kv_stop] for t in (key, value))
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if plan.kv_start or plan.kv_stop is not None:
+        key, value = key[:, :, plan.kv_start:plan.kv_stop], value[:, :, plan.kv_start:plan.kv_stop]
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     windowed = plan.window not in ((None, None), (None, 0))
     kw = dict(softmax_scale=scaling, causal=plan.causal, window_size=plan.window if windowed else (None, None),
               family=family_for(query.shape[-1], value.shape[-1], windowed))

@@ -100,16 +100,35 @@ def _fwd_shapes(q, v, varlen):
     return (*q.shape[:-1], v.shape[-1]), lse
 
 
+_FWD_PLANS: dict = {}  # (shapes, dtype, family, mask, varlen) -> what forward_impl derives from them alone
+_MAX_PLANS = 4096
+
+
+def _fwd_plan(q, k, v, family, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k):
+    """``(spec, no_keys, fills, out_shape, lse_shape)`` of a forward: the shape checks and the launcher spec,
+    which depend on shapes, dtype and flags only, so they run once per signature (decode calls repeat one)."""
+    varlen = cu_seqlens_q is not None
+    key = (q.shape, k.shape, v.shape, q.dtype, family, causal, window_left, window_right, varlen,
+           cu_seqlens_k is not None)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        spec = _spec("fwd", family, q, k, v, causal, window_left, window_right, varlen)
+        no_keys = _no_keys(q, k, varlen)  # every row sees no key: out 0, lse -inf
+        fills = {"out": 0.0, "lse": float("-inf")} if no_keys else spec.output_fill()
+        plan = (spec, no_keys, fills, *_fwd_shapes(q, v, varlen))
+        if len(_FWD_PLANS) >= _MAX_PLANS:
+            _FWD_PLANS.clear()
+        _FWD_PLANS[key] = plan
+    return plan
+
+
 def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k):
     """The body of :func:`fwd` (also called by :mod:`xattn.torch.ring` outside the dispatcher): allocates
     and returns ``(out, lse)`` in the layouts of the module docstring."""
-    _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    varlen = cu_seqlens_q is not None
-    spec = _spec("fwd", family, q, k, v, causal, window_left, window_right, varlen)
-    no_keys = _no_keys(q, k, varlen)  # every row sees no key: out 0, lse -inf
-    fills = {"out": 0.0, "lse": float("-inf")} if no_keys else spec.output_fill()
-    out_shape, lse_shape = _fwd_shapes(q, v, varlen)
+    spec, no_keys, fills, out_shape, lse_shape = _fwd_plan(q, k, v, family, causal, window_left, window_right,
+                                                           cu_seqlens_q, cu_seqlens_k)
     out = _new(out_shape, q.dtype, q.device, fills.get("out"))
     lse = _new(lse_shape, torch.float32, q.device, fills.get("lse"))
     kw = _kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -362,7 +381,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: fl
                  cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, *,
                  check_inputs: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """Differentiable ``(out, lse)`` (same arguments as :func:`fwd`): the ``xattn::fwd`` custom op
-    under torch.compile / fake or functional tensors, a direct autograd.Function in plain eager mode.
+    under torch.compile / fake or functional tensors, a direct autograd.Function in plain eager mode,
+    and the forward alone where no gradient can be asked for (grad mode off, or no input requiring one).
 
     Varlen: ``check_inputs=True`` validates cu_seqlens on their device first (one host sync; a
     ``ValueError`` naming the first bad index), ``False`` trusts them, ``None`` follows
@@ -370,6 +390,9 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: fl
     if cu_seqlens_q is not None and checking(check_inputs):
         check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if type(q) is Tensor and not torch.compiler.is_compiling():
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # no graph to record (decode)
         return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, (
             family, softmax_scale, causal, window_left, window_right, max_seqlen_q, max_seqlen_k))
     return fwd(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
