@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -136,25 +135,16 @@ def child(impl: str, mode: str, prompt: int, tokens: int) -> dict:
 
 
 def measure(impl: str, mode: str, prompt: int, tokens: int, timeout: float) -> dict:
-    from benchmarks.e2e_gemma4 import _error_line, _is_oom
+    from benchmarks.e2e_gemma4 import run_child
 
     row = dict(impl=impl, mode=mode, prompt_len=prompt, new_tokens=tokens, batch=1, layers=LAYERS)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, mode, str(prompt), str(tokens)]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**row, "status": f"error: timeout after {timeout:.0f} s"}
-    result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode == 0 and result:
-        got = json.loads(result[-1][7:])
-        row.update(status="ok", ms_per_token=round(got["ms_per_token"], 3), prefill_s=round(got["prefill_s"], 4),
+    got, row["status"] = run_child(cmd, timeout)
+    if got is not None:
+        row.update(ms_per_token=round(got["ms_per_token"], 3), prefill_s=round(got["prefill_s"], 4),
                    ms_per_token_runs=got["ms_per_token_runs"], compile_stats=got["compile_stats"], tokens=got["tokens"],
                    device=got["device"])
-    elif _is_oom(proc.stderr + proc.stdout):
-        row.update(status="oom")
-    else:
-        row.update(status=f"error: {_error_line(proc.stderr)[:300]}")
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     return row
 

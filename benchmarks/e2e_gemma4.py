@@ -366,6 +366,21 @@ def _error_line(stderr: str) -> str:
     return (named or lines or ["?"])[-1]
 
 
+def run_child(cmd: list[str], timeout: float) -> tuple[dict | None, str]:
+    """Run a benchmark's ``--child`` process: ``(the JSON of its last "RESULT " line, status)``, status "ok",
+    "oom" or "error: ..." (the line that names the failure, or the timeout); no JSON unless "ok"."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"error: timeout after {timeout:.0f} s"
+    result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode == 0 and result:
+        return json.loads(result[-1][7:]), "ok"
+    if _is_oom(proc.stderr + proc.stdout):
+        return None, "oom"
+    return None, f"error: {_error_line(proc.stderr)[:300]}"
+
+
 def measure(framework: str, impl: str, n: int, iters: int, timeout: float, packed: bool = False) -> dict:
     """One (impl, N) in a child process; returns the row (status "ok", "oom" or "error: ...");
     ``impl == "check"``: the packed loss/gradient comparison (:func:`torch_check`)."""
@@ -375,21 +390,13 @@ def measure(framework: str, impl: str, n: int, iters: int, timeout: float, packe
     cmd = [sys.executable, os.path.abspath(__file__), "--child", framework, impl, str(n), str(iters)]
     cmd += ["--packed"] if packed else []
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**row, "status": f"error: timeout after {timeout:.0f} s"}
-    result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode == 0 and result and impl == "check":
-        row.update(status="ok", **json.loads(result[-1][7:]))
-    elif proc.returncode == 0 and result:
-        got = json.loads(result[-1][7:])
-        row.update(status="ok", step_s=round(got["step_s"], 4), tokens_per_s=round(n / got["step_s"]),
+    got, status = run_child(cmd, timeout)
+    row["status"] = status
+    if got is not None and impl == "check":
+        row.update(got)
+    elif got is not None:
+        row.update(step_s=round(got["step_s"], 4), tokens_per_s=round(n / got["step_s"]),
                    peak_gib=round(got["peak_gib"], 1), device=got["device"])
-    elif _is_oom(proc.stderr + proc.stdout):
-        row.update(status="oom")
-    else:
-        row.update(status=f"error: {_error_line(proc.stderr)[:300]}")
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     return row
 

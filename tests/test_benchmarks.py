@@ -170,3 +170,12 @@ def test_decode_rows_table_and_a_cpu_run(monkeypatch):
     got = decode.Decoder(net, "eager", 12, 4).run(repeats=2)
     assert len(got["tokens"]) == 4 and got["ms_per_token"] > 0 and got["prefill_s"] > 0
     assert len(got["ms_per_token_runs"]) == 2
+
+
+def test_run_child_reports_result_error_and_timeout():
+    run_child = _load("e2e_gemma4").run_child
+    py = [sys.executable, "-c"]
+    assert run_child(py + ['print("x"); print("RESULT {\\"a\\": 1}")'], 60) == ({"a": 1}, "ok")
+    got, status = run_child(py + ["raise KeyError('no such row')"], 60)
+    assert got is None and status == "error: KeyError: 'no such row'"
+    assert run_child(py + ["import time; time.sleep(5)"], 0.5) == (None, "error: timeout after 0 s")
