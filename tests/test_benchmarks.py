@@ -179,3 +179,10 @@ def test_run_child_reports_result_error_and_timeout():
     got, status = run_child(py + ["raise KeyError('no such row')"], 60)
     assert got is None and status == "error: KeyError: 'no such row'"
     assert run_child(py + ["import time; time.sleep(5)"], 0.5) == (None, "error: timeout after 0 s")
+
+
+def test_host_cost_cpu_tool_runs():
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "host_cost_cpu.py")], capture_output=True,
+                         text=True, check=True, timeout=300).stdout
+    assert out.count(" us  ") == 5 and "ffpa_attention_forward, d512 decode" in out
