@@ -66,6 +66,8 @@ def specs(recorded=None, fuzz=False):
     tile_variants = ((128, 192), (64, 256), (128, 256))  # benchmarks/tools/diag_pieces_probe.py's A/B (bf16)
     out += [GemmSpec(kind, "bfloat16", d32, tile) for tile in tile_variants for kind in ("acc", "mm_dq", "mm_kv")
             for d32 in ((False, True) if kind == "acc" else (False,))]
+    out += [GemmSpec(kind, "bfloat16", False, tile) for tile in ((128, 128), (128, 256), (256, 128))
+            for kind in ("probs_causal", "grad_scores")]  # the same probe's P / dS tile A/B
     for d, dtype in ((320, "bfloat16"), (384, "float16"), (448, "bfloat16")):
         for causal in (False, True):
             add("ffpa", d, d, 2, causal, dtype=dtype)

@@ -1,8 +1,8 @@
 """The causal diagonal of the chunked-GEMM backward (issue #23 item 3): backward time per block plan.
 
 Each causal block is cut into ``pieces`` along its diagonal (``xattn.core.gemm_bwd.plan``); dK/dV
-follow the pieces' key ranges (``split_acc``) or take zeroed P/dS whole; ``tile`` is the tile of
-the GEMMs whose N is the head dim. Prints backward ms and TFLOP/s (2.5x the causal forward FLOPs)
+follow the pieces' key ranges (``split_acc``) or take zeroed P/dS whole; ``tiles`` picks the tile of
+GEMM kinds (the N = D ones: dK/dV, dq; the P / dS ones). Prints backward ms and TFLOP/s (2.5x the causal forward FLOPs)
 for each (rows, pieces, split_acc, tile), d512 bf16, one GPU. (A variant with the dq GEMMs on a side
 stream was measured once, ±4 % either way, and removed: results/logs/diag_overlap_probe_h200.log.)
 
@@ -20,12 +20,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.bench import bench_ms, flops  # noqa: E402
 
-# (rows, pieces, split_acc, tile of the N = D GEMMs acc / mm_dq / mm_kv; None: the default,
-# 128x128); the first is the default plan (the reference of "max diff"). D = 512 on 192-wide tiles
-# computes 576 columns.
+# (rows, pieces, split_acc, tiles: {GEMM kind: (M, N)}, None: the defaults, KIND_TILES); the first is the
+# default plan (the reference of "max diff"). The N = D GEMMs (acc / mm_dq / mm_kv): D = 512 on 192-wide tiles
+# computes 576 columns (128x128 won, session 4). The P / dS GEMMs (probs_causal, grad_scores: N = keys) are
+# the next candidates for the causal Hq16/Hkv16 8k row (issue #23): their tile and schedule.
+D_KINDS, SCORE_KINDS = ("acc", "mm_dq", "mm_kv"), ("probs_causal", "grad_scores")
 TILE_VARIANTS = ((128, 192), (64, 256), (128, 256))
+SCORE_TILE_VARIANTS = ((128, 128), (128, 256), (256, 128))
 VARIANTS = ((1024, 1, True, None), (1024, 2, True, None), (1024, 4, False, None), (2048, 4, True, None),
-            *((1024, 1, True, t) for t in TILE_VARIANTS))
+            *((1024, 1, True, {kind: t for kind in D_KINDS}) for t in TILE_VARIANTS),
+            *((1024, 1, True, {kind: t for kind in SCORE_KINDS}) for t in SCORE_TILE_VARIANTS))
 
 
 def main():
@@ -45,8 +49,7 @@ def main():
             out, lse = ops.fwd(q, k, v, "ffpa", d ** -0.5, True, -1, -1, None, None, 0, 0)
             f = 2.5 * flops(1, hq, n, n, d, True, "fwd")
             ref = None
-            for rows, pieces, split, tile in VARIANTS:
-                tiles = {kind: tile for kind in ("acc", "mm_dq", "mm_kv")} if tile else None
+            for rows, pieces, split, tiles in VARIANTS:
                 gemms = gemm_bwd.CoreGemms(q.dtype, torch.cuda.get_device_properties(0).multi_processor_count,
                                            tiles=tiles)
                 run = lambda: gemm_bwd.gemm_backward(dout, q, k, v, out, lse, softmax_scale=d ** -0.5,  # noqa: E731
@@ -57,7 +60,7 @@ def main():
                     ref = got
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
                 t = bench_ms(run)
-                print(f"Hq{hq}/Hkv{hkv} N{n} rows {rows} pieces {pieces} split_acc {split} tile {tile or 'default'}: "
+                print(f"Hq{hq}/Hkv{hkv} N{n} rows {rows} pieces {pieces} split_acc {split} tiles {tiles or 'default'}: "
                       f"backward {t:.3f} ms ({f / t / 1e9:.1f} TFLOP/s), max diff vs the first {err:.2e}", flush=True)
             torch.cuda.empty_cache()
 
