@@ -110,7 +110,7 @@ def test_compiled_static_generate_traces_without_graph_breaks(monkeypatch):
 
 
 def _compiled_generate_case(counters):
-
+    """Eager (dynamic cache) vs compiled (static cache) greedy tokens, with dynamo's counters checked."""
     net = decode.model("ffpa", "cpu")
     ids = decode.prompt("cpu")
     eager, _ = decode.generate(net, ids)

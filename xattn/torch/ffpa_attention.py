@@ -166,6 +166,7 @@ def _get_ffpa_high_level():
 
 @functools.cache
 def _block_mask_type() -> type | None:
+    """flex_attention's ``BlockMask`` class (imported once), or None where this torch has none."""
     try:
         from torch.nn.attention.flex_attention import BlockMask
     except ImportError:
