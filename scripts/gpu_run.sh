@@ -27,6 +27,9 @@
 #                DECODE_PROMPT) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
 #   decode-profile  benchmarks/tools/decode_profile.py (host time of a decode step by module, syncs by call site;
 #                DECODE_PROFILE_MODE, DECODE_PROFILE_LABEL) -> $OUT/results/decode_profile_h200.json (continuing)
+#   host-cost    benchmarks/tools/host_cost.py (host µs per call, torch and JAX, real kernels) -> $OUT/results/
+#                host_cost_h200.json, continuing benchmarks/results/; with .gpu/before.tar (an older tree's xattn/,
+#                carried; HOST_COST_BEFORE names its commit) the same tool first runs on that tree, label "before"
 #   memory       benchmarks/memory_growth.py (1,000 mixed calls in one process) -> $OUT/results/memory_growth_h200.json
 #   jax-probe    benchmarks/tools/jax_two_gpu_probe.py (2 GPUs; native stacks of a hang when .gpu/tools/py-spy.xz
 #                is carried) -> $OUT/probe.log
@@ -102,6 +105,16 @@ for step in "$@"; do
     diag-probe) timeout "$t" python benchmarks/tools/diag_pieces_probe.py ${DIAG_SEQLENS:+--seqlens "$DIAG_SEQLENS"} \
               ${DIAG_SHAPES:+--shapes "$DIAG_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
+    host-cost) [ -f benchmarks/results/host_cost_h200.json ] && [ ! -f "$OUT/results/host_cost_h200.json" ] \
+              && cp benchmarks/results/host_cost_h200.json "$OUT/results/host_cost_h200.json"
+            if [ -f .gpu/before.tar ]; then  # the tools put their repo first on sys.path: run from a copy
+              rm -rf /var/tmp/before && mkdir -p /var/tmp/before && cp -r benchmarks /var/tmp/before/ \
+                && tar xf .gpu/before.tar -C /var/tmp/before
+              (cd /var/tmp/before && timeout "$t" python benchmarks/tools/host_cost.py --label before \
+                --commit "${HOST_COST_BEFORE:-before}" --out "$OUT/results/host_cost_h200.json") 2>&1 | grep -v Warning \
+                | tee -a "$OUT/steps.log" | grep " us " ; fi
+            timeout "$(left)" python benchmarks/tools/host_cost.py --label after --out "$OUT/results/host_cost_h200.json" 2>&1 \
+              | grep -v Warning | tee -a "$OUT/steps.log" | tail -60 ;;
     memory) timeout "$t" python benchmarks/memory_growth.py --out "$OUT/results/memory_growth_h200.json" 2>&1 \
               | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     jax-probe) spy=""
