@@ -82,7 +82,7 @@ for step in "$@"; do
               --out "$OUT/results/decode_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     decode-profile) [ -f benchmarks/results/decode_profile_h200.json ] && [ ! -f "$OUT/results/decode_profile_h200.json" ] \
               && cp benchmarks/results/decode_profile_h200.json "$OUT/results/decode_profile_h200.json"
-            timeout "$t" python benchmarks/tools/decode_profile.py --mode "${DECODE_PROFILE_MODE:-eager}" \
+            timeout "$t" python benchmarks/tools/decode_profile.py --mode "${DECODE_PROFILE_MODE:-eager}" --impl "${DECODE_PROFILE_IMPL:-ffpa}" \
               --label "${DECODE_PROFILE_LABEL:-}" --out "$OUT/results/decode_profile_h200.json" 2>&1 \
               | grep -v Warning | tee -a "$OUT/probe.log" | tail -60 ;;
     e2e-packed-*|e2e-check) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
@@ -107,14 +107,16 @@ for step in "$@"; do
     bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
     host-cost) [ -f benchmarks/results/host_cost_h200.json ] && [ ! -f "$OUT/results/host_cost_h200.json" ] \
               && cp benchmarks/results/host_cost_h200.json "$OUT/results/host_cost_h200.json"
-            if [ -f .gpu/before.tar ]; then  # the tools put their repo first on sys.path: run from a copy
-              rm -rf /var/tmp/before && mkdir -p /var/tmp/before && cp -r benchmarks /var/tmp/before/ \
-                && tar xf .gpu/before.tar -C /var/tmp/before
-              (cd /var/tmp/before && timeout "$t" python benchmarks/tools/host_cost.py --label before \
-                --commit "${HOST_COST_BEFORE:-before}" --out "$OUT/results/host_cost_h200.json") 2>&1 | grep -v Warning \
-                | tee -a "$OUT/steps.log" | grep " us " ; fi
-            timeout "$(left)" python benchmarks/tools/host_cost.py --label after --out "$OUT/results/host_cost_h200.json" 2>&1 \
-              | grep -v Warning | tee -a "$OUT/steps.log" | tail -60 ;;
+            [ -f .gpu/before.tar ] && rm -rf /var/tmp/before && mkdir -p /var/tmp/before \
+              && cp -r benchmarks /var/tmp/before/ && tar xf .gpu/before.tar -C /var/tmp/before
+            for round in $(seq "${HOST_COST_ROUNDS:-2}"); do  # before and after alternate: the host's speed drifts
+              if [ -f .gpu/before.tar ]; then  # the tools put their repo first on sys.path: run from a copy
+                (cd /var/tmp/before && timeout "$(left)" python benchmarks/tools/host_cost.py --label before \
+                  --commit "${HOST_COST_BEFORE:-before}" --out "$OUT/results/host_cost_h200.json") 2>&1 \
+                  | grep -v Warning | tee -a "$OUT/steps.log" | grep " us " ; fi
+              timeout "$(left)" python benchmarks/tools/host_cost.py --label after ${HOST_COST_AFTER:+--commit "$HOST_COST_AFTER"} --out "$OUT/results/host_cost_h200.json" \
+                2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | grep " us "
+            done ;;
     memory) timeout "$t" python benchmarks/memory_growth.py --out "$OUT/results/memory_growth_h200.json" 2>&1 \
               | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     jax-probe) spy=""

@@ -154,13 +154,16 @@ def main(argv=None):
     dec = Decoder(build_model(args.impl), args.mode, args.prompt, args.tokens)
     plain = dec.run()
     steps = args.tokens - 1
-    gpu = {}
+    gpu, kernels = {}, {}
     for n in (1, args.tokens):  # GPU busy time: CUDA time of every kernel, the 1-token run subtracted
         activity = tp.ProfilerActivity.CUDA if DEVICE == "cuda" else tp.ProfilerActivity.CPU
         with tp.profile(activities=[activity]) as cuda_prof:
             dec.generate(n)
-        gpu[n] = _gpu_ms(cuda_prof)
+        gpu[n], kernels[n] = _gpu_ms(cuda_prof), _kernel_ms(cuda_prof)
     gpu_per_token = (gpu[args.tokens] - gpu[1]) / steps
+    top_kernels = _minus([dict(kernel=k, ms=t) for k, t in kernels[args.tokens].items()],
+                         [dict(kernel=k, ms=t) for k, t in kernels[1].items()], "kernel", ("ms",), steps)
+    top_kernels = sorted(top_kernels, key=lambda r: -r["ms"])[:12]
     long, short = (_profile(lambda n=n: dec.generate(n)) for n in (args.tokens, 1))
     modules = _minus([dict(module=m, ms=t) for m, t in by_module(long, 1)],
                      [dict(module=m, ms=t) for m, t in by_module(short, 1)], "module", ("ms",), steps)
@@ -177,7 +180,7 @@ def main(argv=None):
     report = dict(impl=args.impl, mode=args.mode, prompt_len=args.prompt, steps=steps, label=args.label,
                   device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                   ms_per_token=round(plain["ms_per_token"], 3), gpu_ms_per_token=round(gpu_per_token, 3),
-                  host_bound=round(1 - gpu_per_token / plain["ms_per_token"], 3),
+                  host_bound=round(1 - gpu_per_token / plain["ms_per_token"], 3), gpu_ms_per_step_by_kernel=top_kernels,
                   host_ms_per_step_by_module=sorted(modules, key=lambda r: -r["ms"]),
                   attention_path=path, syncs_per_step=round(sum(s["count"] for s in syncs), 2), sync_sites=syncs)
     if args.out:
@@ -191,9 +194,21 @@ def _gpu_ms(prof) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages() if e.device_time_total > 0) / 1e3
 
 
+def _kernel_ms(prof) -> dict:
+    """Device ms by kernel name (the first 90 characters) over the profiled call."""
+    out = collections.Counter()
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0:
+            out[e.key[:90]] += e.self_device_time_total / 1e3
+    return out
+
+
 def _print(r: dict) -> None:
     print(f"=== {r['impl']} {r['mode']} prompt {r['prompt_len']} {r['label']}: {r['ms_per_token']:.2f} ms/token, "
           f"GPU busy {r['gpu_ms_per_token']:.2f} ms/token (host-bound share {r['host_bound']:.0%}) ===")
+    print("GPU ms per step by kernel (torch.profiler):")
+    for k in r.get("gpu_ms_per_step_by_kernel", []):
+        print(f"  {k['ms']:8.3f}  {k['kernel']}")
     print("host ms per step by module (cProfile self time, C calls counted to their caller):")
     for m in r["host_ms_per_step_by_module"][:18]:
         print(f"  {m['ms']:8.3f}  {m['module']}")

@@ -9,7 +9,8 @@ own cost per call. Torch rows run under ``no_grad`` (decode).
 
     python benchmarks/tools/host_cost.py [--label after] [--out benchmarks/results/host_cost_h200.json]
 
-``--out`` continues the file: rows with the same (label, front_end, call) are replaced.
+``--out`` continues the file; a row measured again (same label, commit, front end, call) keeps the best
+of its runs (``runs`` lists them): run before and after alternately, since a host's speed drifts.
 """
 from __future__ import annotations
 
@@ -151,8 +152,14 @@ def main():
         r.update(label=args.label, commit=commit, device=device, date=time.strftime("%Y-%m-%d"))
     if args.out:
         old = json.load(open(args.out)) if os.path.exists(args.out) else []
-        keys = {(r["label"], r["front_end"], r["call"]) for r in rows}
-        rows = [r for r in old if (r["label"], r["front_end"], r["call"]) not in keys] + rows
+        key = lambda r: (r["label"], r["commit"], r["front_end"], r["call"])  # noqa: E731
+        seen = {key(r): r for r in old}
+        for r in rows:
+            prev = seen.get(key(r))
+            r["runs"] = (prev or {}).get("runs", []) + [r["us_per_call"]]
+            r["us_per_call"] = min(r["runs"])
+        keys = {key(r) for r in rows}
+        rows = [r for r in old if key(r) not in keys] + rows
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
 
