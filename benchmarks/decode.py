@@ -3,7 +3,7 @@ layer dims (:func:`benchmarks.ring.gemma4_31b_dims`: 6 layers, 5 sliding : 1 ful
 on well-conditioned weights (:func:`benchmarks.e2e_gemma4.condition`).
 
     python benchmarks/decode.py [--impls ffpa,sdpa,flash_attention_2] [--modes eager,graphs]
-                                [--prompt 8192] [--tokens 64] [--out FILE]
+                                [--prompt 8192] [--tokens 64] [--rounds 1] [--out FILE]
 
 Modes:
 
@@ -17,15 +17,19 @@ and captured), then 5 times a 1-token and a ``--tokens``-token ``generate()`` (s
 ``prefill_s`` is the 1-token call, ``ms_per_token`` the difference per extra token (medians). That is
 the whole decode step as a user sees it: HF's per-step work (mask creation, logits processing, its
 own host syncs) included. ``tokens`` are the greedy tokens, so rows can be compared with sdpa's
-(``tokens_equal_sdpa``: the share of leading tokens equal).
+(``tokens_equal_sdpa``: the share of leading tokens equal). ``--rounds R`` measures every (impl, mode) R
+times, the impls alternating, and reports the median of the rounds (``ms_per_token_rounds``): eager decode
+is bound by the host, whose speed drifts between processes (on the H200 machine, by up to 1.5x).
 Rows: ``impl, mode, prompt_len, new_tokens, ms_per_token, prefill_s, status`` ("ok" / "oom" / "error: ...").
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -165,6 +169,19 @@ def derive(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def combine(results: list[dict]) -> dict:
+    """One row from the rounds of an (impl, mode): the median of the rounds' ms/token and prefill, each
+    round's median in ``ms_per_token_rounds``; the first failure if any round failed."""
+    bad = [r for r in results if r["status"] != "ok"]
+    if bad or len(results) == 1:
+        return bad[0] if bad else results[0]
+    row = dict(results[-1])
+    row["ms_per_token_rounds"] = [r["ms_per_token"] for r in results]
+    row["ms_per_token"] = round(statistics.median(row["ms_per_token_rounds"]), 3)
+    row["prefill_s"] = round(statistics.median(r["prefill_s"] for r in results), 4)
+    return row
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| impl | mode | prompt | ms/token | prefill s | tokens = sdpa's |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -184,6 +201,7 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per (impl, mode) process")
+    ap.add_argument("--rounds", type=int, default=1, help="measure each (impl, mode) this often, alternating")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -198,11 +216,14 @@ def main(argv=None):
     rows = []
     if args.out and os.path.exists(args.out):
         rows = json.load(open(args.out)).get("rows", [])
+    rounds = collections.defaultdict(list)
     for mode in args.modes.split(","):
-        for impl in args.impls.split(","):
-            rows = [r for r in rows if (r["impl"], r["mode"], r["prompt_len"]) != (impl, mode, args.prompt)]
-            rows.append(measure(impl, mode, args.prompt, args.tokens, args.timeout))
-            log(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}))
+        for _ in range(args.rounds):  # impls alternate round by round: the host's speed drifts between processes
+            for impl in args.impls.split(","):
+                rows = [r for r in rows if (r["impl"], r["mode"], r["prompt_len"]) != (impl, mode, args.prompt)]
+                rounds[impl, mode].append(measure(impl, mode, args.prompt, args.tokens, args.timeout))
+                log(json.dumps({k: v for k, v in rounds[impl, mode][-1].items() if k != "tokens"}))
+                rows.append(combine(rounds[impl, mode]))
             rows = derive(rows)
             if args.out:
                 with open(args.out, "w") as f:

@@ -24,9 +24,9 @@
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
-#                DECODE_PROMPT) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
+#                DECODE_PROMPT, DECODE_ROUNDS) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
 #   decode-profile  benchmarks/tools/decode_profile.py (host time of a decode step by module, syncs by call site;
-#                DECODE_PROFILE_MODE, DECODE_PROFILE_LABEL) -> $OUT/results/decode_profile_h200.json (continuing)
+#                DECODE_PROFILE_IMPL, DECODE_PROFILE_MODE, DECODE_PROFILE_LABEL) -> $OUT/results/decode_profile_h200.json (continuing)
 #   host-cost    benchmarks/tools/host_cost.py (host µs per call, torch and JAX, real kernels) -> $OUT/results/
 #                host_cost_h200.json, continuing benchmarks/results/; with .gpu/before.tar (an older tree's xattn/,
 #                carried; HOST_COST_BEFORE names its commit) the same tool first runs on that tree, label "before"
@@ -78,7 +78,7 @@ for step in "$@"; do
     decode) [ -f benchmarks/results/decode_h200.json ] && [ ! -f "$OUT/results/decode_h200.json" ] \
               && cp benchmarks/results/decode_h200.json "$OUT/results/decode_h200.json"
             timeout "$t" python benchmarks/decode.py --impls "${DECODE_IMPLS:-ffpa,sdpa,flash_attention_2}" \
-              --modes "${DECODE_MODES:-eager,graphs}" --prompt "${DECODE_PROMPT:-8192}" \
+              --modes "${DECODE_MODES:-eager,graphs}" --prompt "${DECODE_PROMPT:-8192}" --rounds "${DECODE_ROUNDS:-1}" \
               --out "$OUT/results/decode_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     decode-profile) [ -f benchmarks/results/decode_profile_h200.json ] && [ ! -f "$OUT/results/decode_profile_h200.json" ] \
               && cp benchmarks/results/decode_profile_h200.json "$OUT/results/decode_profile_h200.json"

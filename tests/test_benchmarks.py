@@ -172,6 +172,16 @@ def test_decode_rows_table_and_a_cpu_run(monkeypatch):
     assert len(got["ms_per_token_runs"]) == 2
 
 
+def test_decode_rounds_combine_to_their_median():
+    decode = _load("decode")
+    rounds = [dict(impl="ffpa", mode="eager", status="ok", ms_per_token=t, prefill_s=p)
+              for t, p in ((9.0, 0.2), (14.0, 0.1), (10.0, 0.3))]
+    row = decode.combine(rounds)
+    assert row["ms_per_token"] == 10.0 and row["prefill_s"] == 0.2 and row["ms_per_token_rounds"] == [9.0, 14.0, 10.0]
+    failed = dict(impl="ffpa", mode="eager", status="error: timeout after 300 s")
+    assert decode.combine(rounds[:1]) == rounds[0] and decode.combine([rounds[0], failed]) == failed
+
+
 def test_run_child_reports_result_error_and_timeout():
     run_child = _load("e2e_gemma4").run_child
     py = [sys.executable, "-c"]

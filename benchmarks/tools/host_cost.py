@@ -5,7 +5,8 @@ Each row is the best of 15 loops of 200 calls; the GPU is synchronised between l
 so a loop measures the time to enqueue (200 launches cannot fill the launch queue). ``gpu_us`` is the
 kernel time per call on the stream (torch: CUDA events around a loop), to show that the loop was not
 bound by the GPU. JAX calls are jitted (the C++ dispatch path); ``jit floor`` is a one-op program, XLA's
-own cost per call. Torch rows run under ``no_grad`` (decode).
+own cost per call; "each of 8 calls in one jit" is (8 chained calls - 1 call) / 7, what one more call
+costs inside a model's program. Torch rows run under ``no_grad`` (decode).
 
     python benchmarks/tools/host_cost.py [--label after] [--out benchmarks/results/host_cost_h200.json]
 
@@ -112,17 +113,36 @@ def jax_rows() -> list[dict]:
         "xattn.jax.flash_attention d128 (AOT compiled)": (fa4.lower(q, q, q).compile(), q),
         "xattn.jax.ffpa_attention d512 (AOT compiled)": (ffpa.lower(q5, q5, q5).compile(), q5),
     }
-    out = []
-    for name, (fn, x) in cases.items():
+    def chained(fn, n):  # n dependent calls in one program
+        def run(q, k, v):
+            for _ in range(n):
+                q = fn(q, k, v)
+            return q
+        return jax.jit(run)
+
+    def timed(fn, x, loop=200):
         last = [None]
 
-        def call(fn=fn, x=x):
+        def call():
             last[0] = fn(x, x, x)
-        host = us_per_call(call, lambda: jax.block_until_ready(last[0]))
+        return us_per_call(call, lambda: jax.block_until_ready(last[0]), n=loop)
+
+    out = []
+    for name, (fn, x) in cases.items():
+        host = timed(fn, x)
         out.append(dict(front_end="jax", call=name, us_per_call=round(host, 1)))
         print(f"{host:8.1f} us  jax    {name}", flush=True)
         if "AOT" in name:
             print(fn.as_text()[-2500:], flush=True)  # the optimised program one call runs
+    # inside a model's jit (as Flax models call it): each extra call costs XLA's launch of one more custom call
+    for label, fn, x in (("flash_attention d128", xj.flash_attention, q),
+                         ("ffpa_attention d512", xj.ffpa_attention, q5)):
+        call = lambda q, k, v, fn=fn: fn(q, k, v, scale=0.1, backend="kernel")  # noqa: E731
+        one, eight = timed(chained(call, 1), x, 50), timed(chained(call, 8), x, 50)
+        name = f"xattn.jax.{label}, each of 8 calls in one jit"
+        out.append(dict(front_end="jax", call=name, us_per_call=round((eight - one) / 7, 1)))
+        print(f"{out[-1]['us_per_call']:8.1f} us  jax    {name} (1 call: {one:.1f} us, 8 calls: {eight:.1f} us)",
+              flush=True)
     return out
 
 

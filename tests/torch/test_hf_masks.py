@@ -296,3 +296,39 @@ def test_vision_and_audio_towers_keep_their_padding(monkeypatch, model_type, bac
             assert torch.equal(kernel_visibility(plan), hf_truth(**args))
         if fn is mu.bidirectional_mask_function:
             assert isinstance(got, PlannedMask)  # the towers' own pattern reaches the kernels
+
+
+def test_padding_mask_is_read_once_per_tensor(monkeypatch):
+    """Decode hands one 2D mask to the full and the sliding factory in a step: an all-ones mask is read
+    (one host sync) by the first and answers the second; a mask changed in place, a new tensor or an
+    inference tensor is read again, and every plan stays exactly HF's mask."""
+    from xattn.torch import hf_masks
+
+    reads = []
+    real = hf_masks._host_bools
+    monkeypatch.setattr(hf_masks, "_host_bools", lambda *f: reads.append(len(f)) or real(*f))
+    n, window = 40, 16
+    full = dict(batch_size=1, q_length=1, kv_length=n, q_offset=n - 1, kv_offset=0,
+                mask_function=mu.causal_mask_function)
+    sliding = dict(batch_size=1, q_length=1, kv_length=window, q_offset=n - 1, kv_offset=n - window,
+                   mask_function=mu.sliding_window_causal_mask_function(window))
+
+    def planned(args, mask):
+        args = dict(args, attention_mask=mask)
+        plan = plan_of(fa.ffpa_mask(**args), args)
+        assert plan is not None and torch.equal(kernel_visibility(plan), hf_truth(**args))
+        return plan
+
+    mask = torch.ones(1, n, dtype=torch.long)
+    assert not planned(full, mask).varlen and not planned(sliding, mask).varlen
+    assert len(reads) == 1  # the full layer's read answered the sliding layer's
+    mask[0, : n - 10] = 0  # in place: left padding that reaches into the window
+    assert planned(sliding, mask).varlen and len(reads) == 2
+    assert not planned(sliding, torch.ones(1, n, dtype=torch.long)).varlen and len(reads) == 3  # a new tensor
+    with torch.inference_mode():
+        frozen = torch.ones(1, n, dtype=torch.long)
+    planned(full, frozen), planned(sliding, frozen)
+    assert len(reads) == 3  # no version counter: read as before, not remembered
+    before = len(hf_masks._PADDING_READS)
+    del mask
+    assert len(hf_masks._PADDING_READS) == before - 1  # forgotten with the tensor

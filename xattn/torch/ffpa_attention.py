@@ -262,11 +262,13 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
         _warn_once("mask_function", f"{getattr(fn, '__qualname__', fn)} is not a pattern the kernels reproduce "
                    "exactly (chunked, blockwise or custom masks)")
         return hf_sdpa_mask()
-    keep = None
+    keep = padding_mask = None
     if attention_mask is not None:
         keep = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+        if attention_mask.shape[-1] >= kv_offset + kv_length:  # keep is a slice of it (nothing padded on)
+            padding_mask = attention_mask
     plan = plan_hf_mask(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, keep, device,
-                        hf_sdpa_mask)
+                        hf_sdpa_mask, padding_mask=padding_mask)
     if isinstance(plan, str):
         _warn_once("mask", plan)
         return hf_sdpa_mask()

@@ -19,12 +19,13 @@ Positions: query ``i`` of a call sits at ``q_offset + i``, key ``j`` at ``kv_off
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Pattern", "KernelMask", "PlannedMask", "describe", "hf_window", "plan_hf_mask", "plan_without_mask",
-           "window_mask"]
+__all__ = ["Pattern", "KernelMask", "PlannedMask", "describe", "hf_window", "keeps_every_key", "plan_hf_mask",
+           "plan_without_mask", "window_mask"]
 
 
 @dataclass(frozen=True)
@@ -360,12 +361,42 @@ def _visible_keys(left, right, base: int, nq: int, nk: int) -> tuple[int, int]:
     return start, stop
 
 
+_PADDING_READS: dict[int, tuple] = {}  # id(2D padding mask) -> (weakref, _version, keeps every key)
+
+
+def _host_bools(*flags: torch.Tensor) -> list[bool]:
+    """Read 0-d bool tensors on the host: one synchronisation for all of them."""
+    return [bool(x) for x in torch.stack(flags).tolist()]
+
+
+def keeps_every_key(keep: torch.Tensor, padding_mask: torch.Tensor | None = None) -> bool:
+    """``bool(keep.all())``: whether ``keep`` (a factory's padding over its keys) keeps every key.
+
+    ``padding_mask``: HF's 2D mask that ``keep`` is a column slice of (None if it is not one, e.g. padded
+    past the mask's end). Then the whole mask's answer is read in the same host sync and remembered
+    while that tensor lives unmodified (same object, same ``_version``): HF hands one mask to the factory
+    of each layer type in a forward, so a step with no padding reads it once, not once per factory.
+    Inference tensors (no version counter) and traced calls are read every time."""
+    if padding_mask is None or torch.compiler.is_compiling() or padding_mask.is_inference():
+        return bool(keep.all())
+    seen = _PADDING_READS.get(id(padding_mask))
+    if seen is not None and seen[0]() is padding_mask and seen[1] == padding_mask._version:
+        return True if seen[2] else bool(keep.all())
+    here, whole = _host_bools(keep.all(), padding_mask.all())
+    key = id(padding_mask)
+    _PADDING_READS[key] = (weakref.ref(padding_mask, lambda _, key=key: _PADDING_READS.pop(key, None)),
+                           padding_mask._version, whole)
+    return here
+
+
 def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: int, q_offset: int,
-                 kv_offset: int, keep: torch.Tensor | None, device, materialize) -> KernelMask | str:
+                 kv_offset: int, keep: torch.Tensor | None, device, materialize,
+                 padding_mask: torch.Tensor | None = None) -> KernelMask | str:
     """The :class:`KernelMask` that runs ``pattern`` exactly on these sizes, or why none can (a string).
 
     ``keep [B, kv_length]`` bool is the padding mask over this call's keys (True = real token) or
-    None; ``materialize()`` returns HF's own SDPA mask for the same arguments. Keys no query can see
+    None; ``padding_mask``, the 2D mask it is a column slice of, if it is one (see :func:`keeps_every_key`);
+    ``materialize()`` returns HF's own SDPA mask for the same arguments. Keys no query can see
     (e.g. empty static-cache slots) are cut off (``kv_start/kv_stop``). At most one host sync.
     """
     base = q_offset - kv_offset  # key j is visible to query i iff i + base - left <= j <= i + base + right
@@ -378,7 +409,7 @@ def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: in
             if keep is None or bool((keep | (keys >= filled)).all()):
                 return KernelMask(**sizes, **plan)
         base = int(base)  # padding, documents or keys right of the diagonal: plan on the host (one sync)
-    if keep is not None and bool(keep.all()):
+    if keep is not None and keeps_every_key(keep, padding_mask):
         keep = None
     if pattern.doc_ids is not None:
         if keep is not None or q_length != kv_length or base != 0 or \
