@@ -80,7 +80,10 @@ def torch_rows() -> list[dict]:
         "core ffpa_fwd d512 (caller's out/lse)": lambda: xc.ffpa_fwd(q5, q5, q5, o5, lse, softmax_scale=0.1),
         "xattn.torch.attention d128 (FA4)": lambda: xt.attention(q, q, q, softmax_scale=0.1),
         "xattn.torch.attention d512 (FFPA)": lambda: xt.attention(q5, q5, q5, softmax_scale=0.1),
-        "HF ffpa_mask, full layer (dynamic cache)": full,
+        "HF ffpa_mask, full layer (dynamic cache)": full,  # one mask tensor: its padding read is remembered
+        "HF ffpa_mask, full layer, a new padding mask each call (as decode)": lambda: fa.ffpa_mask(
+            1, 1, nk, q_offset=nk - 1, mask_function=mu.causal_mask_function,
+            attention_mask=torch.ones(1, nk, dtype=torch.bool, device="cuda")),
         "HF ffpa_attention_forward, d512 decode": lambda: fa.ffpa_attention_forward(layer, hq, hk, hk, full_mask,
                                                                                     scaling=1.0),
         "HF ffpa_attention_forward, d256 sliding decode": lambda: fa.ffpa_attention_forward(
