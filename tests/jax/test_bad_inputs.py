@@ -9,6 +9,7 @@ Sizes past the kernels' limits are tried shape-only (``jax.eval_shape``): nothin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -216,14 +217,15 @@ DPA = [
 
 def _call(name, q, k, v, kw):
     kw = {n: x for n, x in kw.items() if n != "_shape_only"}
+    backend = kw.pop("_backend", "kernel")
     if name == "ffpa":
-        return xj.ffpa_attention(q, k, v, backend="kernel", **kw)
+        return xj.ffpa_attention(q, k, v, backend=backend, **kw)
     if name == "fa4":
-        return xj.flash_attention(q, k, v, backend="kernel", **kw)
+        return xj.flash_attention(q, k, v, backend=backend, **kw)
     if name == "dpa":
-        return xj.dot_product_attention(q, k, v, backend="kernel", **kw)
+        return xj.dot_product_attention(q, k, v, backend=backend, **kw)
     cu_q, cu_k = kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k")
-    return xj.varlen_attention(q, k, v, cu_q, cu_k, backend="kernel", **kw)
+    return xj.varlen_attention(q, k, v, cu_q, cu_k, backend=backend, **kw)
 
 
 def _torch(x):
@@ -321,6 +323,26 @@ def test_empty_or_keyless_calls_launch_nothing(c, standin):
     loss = lambda q, k, v: _call(name, q, k, v, dict(kw)).astype(jnp.float32).sum()  # noqa: E731
     jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(*args))
     assert numpy_launcher.CALLS == []
+
+
+@pytest.mark.parametrize("c", unmarked(DENSE + VARLEN))
+def test_auto_off_the_gpu_refuses_what_the_kernels_refuse(c, standin):
+    """backend="auto" on a machine without a GPU runs the reference, under the kernels' rules: every
+    case the kernels refuse is refused with the same named error, every other one is right (a laptop
+    run passes exactly where the GPU run will)."""
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a GPU is present: auto runs the kernels (test_jax)")
+    run(dataclasses.replace(c, make=_change(c.make, lambda q, k, v, kw: ((q, k, v), {**kw, "_backend": "auto"}))),
+        "cpu")
+
+
+def test_reference_by_name_takes_what_the_kernels_do_not():
+    """backend="reference" asked for by name is the yardstick: float32 and head dims no kernel has run."""
+    q = randn((1, 6, 4, 128), jnp.float32)
+    out = xj.ffpa_attention(q, q, q, backend="reference")
+    close(out, _reference("ffpa", *(_torch(q),) * 3, {}), "out")
+    with raises(NotImplementedError, "320-512", "128"):
+        xj.ffpa_attention(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16), q.astype(jnp.bfloat16), backend="auto")
 
 
 def test_kernel_backend_without_a_gpu_says_so_before_compiling(monkeypatch):

@@ -7,8 +7,11 @@ convention; ``jax.nn`` is top-left): query i sees key j iff j <= i + Nk - Nq.
 
 ``backend``: ``"kernel"`` (the CuTeDSL kernels through XLA FFI; GPU), ``"reference"``
 (:mod:`xattn.jax.reference`, pure jnp, any device), ``"auto"`` (kernel on GPU, reference on
-other platforms). An unsupported configuration on ``"kernel"``/``"auto"``-on-GPU raises
-``NotImplementedError`` naming the reason; it never falls back silently.
+other platforms). ``"kernel"`` and ``"auto"`` check every call against the kernels on every
+platform: what the GPU would refuse (dtype other than fp16/bf16, head dims outside the family,
+Hkv not dividing Hq, sizes past the kernels' limits) raises the same named error on a laptop, so
+code tested off-GPU runs on one; nothing falls back silently. ``"reference"`` asked for by name is a
+yardstick, not a twin: it computes any head dim and float32 too.
 
 Determinism: forwards and the FFPA backward are bitwise reproducible; the FA4 backward is not (fp32
 reduce-add of dQ / GQA dK/dV partials). ``XATTN_DETERMINISTIC=1`` (or XLA's
@@ -65,11 +68,17 @@ class Config:
     # XATTN_BWD_ROUTE and the block budget (xattn.core.gemm_bwd), read when the call was made: a change
     # retraces instead of reusing a backward traced with the old route
     bwd_route: tuple = field(default_factory=lambda: (_gemm_route.env_route(), _gemm_route.budget_bytes()))
+    # the kernels' rules (dtype, head dims, sizes) apply whatever the backend; False only for
+    # backend="reference" asked for by name (the pure-jnp yardstick: any head dim, float32 too)
+    kernel_rules: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "scale", static_scale(self.scale, 0))  # every route (nn, varlen, ring) too
 
     def spec(self, direction: str, q, k, v, varlen: bool = False) -> KernelSpec:
+        """The launcher spec of this call, or the error the kernels' rules name (TypeError for dtypes,
+        ValueError for shapes and sizes, NotImplementedError for configurations no kernel runs); on the
+        kernel backend, the backward also applies the deterministic mode (:mod:`xattn.jax.determinism`)."""
         dtype = _DTYPES.get(jnp.dtype(q.dtype))
         if dtype is None:
             raise TypeError(f"q: expected float16 or bfloat16 for the {self.family} kernels, got {q.dtype}")
@@ -85,7 +94,7 @@ class Config:
         if reason is not None:
             raise NotImplementedError(reason)
         check_sizes(q.shape, k.shape, v.shape, varlen)  # the kernels' 32-bit indexing and CUDA grid limits
-        if direction == "bwd":
+        if direction == "bwd" and self.backend == "kernel":
             check_backward(spec, self.deterministic)  # XATTN_DETERMINISTIC: raise/warn for a nondeterministic backward
         return spec
 
@@ -131,22 +140,30 @@ def _fwd_call(cfg: Config, q, k, v):
     return out, lse
 
 
-def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
+def _bwd_plan(cfg: Config, q, k, v):
+    """``(spec, route choice, workspace)`` of a dense backward, or the kernels' named error (the spec's
+    rules, and a workspace past 32-bit indexing); the reference backend runs it too, for its errors."""
     spec = cfg.spec("bwd", q, k, v)
     b, nq, hq, _ = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    if _no_launch(q, k):  # no row or no key: every gradient is 0
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    route, budget = cfg.bwd_route
     choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
-                                (spec.window_left, spec.window_right), False, nk, route=route)
+                                (spec.window_left, spec.window_right), False, nk, route=cfg.bwd_route[0])
+    ws = [] if choice.route == "gemm" else bwd_workspace_shapes(spec, b, nq, nk, b * nq, b * nk, hq, hkv)
+    check_layout_sizes(ws)
+    return spec, choice, ws
+
+
+def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
+    if _no_launch(q, k):  # no row or no key: every gradient is 0
+        cfg.spec("bwd", q, k, v)
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    spec, choice, ws = _bwd_plan(cfg, q, k, v)
     _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
     if choice.route == "gemm":
         from .gemm_bwd import gemm_backward
 
-        return gemm_backward(dout, q, k, v, out, lse, softmax_scale=cfg.scale, causal=cfg.causal, budget=budget)
-    ws = bwd_workspace_shapes(spec, b, nq, nk, b * nq, b * nk, hq, hkv)
-    check_layout_sizes(ws)
+        return gemm_backward(dout, q, k, v, out, lse, softmax_scale=cfg.scale, causal=cfg.causal,
+                             budget=cfg.bwd_route[1])
     outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
     dq, dk, dv = _ffi.call(spec, [dout, q, k, v, out, lse], outs, ws, cfg.scale)
     return dq, dk, dv
@@ -175,6 +192,8 @@ def forward_call(cfg: Config, q, k, v):
     """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of one dense call on ``cfg``'s backend (inputs
     already checked); the building block of the custom_vjp functions, :mod:`.nn` and :mod:`.ring`."""
     if cfg.backend == "reference":
+        if cfg.kernel_rules:
+            cfg.spec("fwd", q, k, v)  # what the kernels would refuse, refused here too
         return attention_reference(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window)
     out, lse = _kernels(cfg)[0](q, k, v)
     return out, lse
@@ -184,6 +203,8 @@ def backward_call(cfg: Config, dout, q, k, v, out, lse):
     """``(dq, dk, dv)`` of one dense call from the given out/lse (dk/dv per KV head), on ``cfg``'s
     backend and backward route; inputs already checked, as :func:`forward_call`."""
     if cfg.backend == "reference":
+        if cfg.kernel_rules:
+            _bwd_plan(cfg, q, k, v)
         return attention_reference_bwd(dout, q, k, v, out, lse, scale=cfg.scale, causal=cfg.causal,
                                        window=cfg.window)
     dq, dk, dv = _kernels(cfg)[1](dout, q, k, v, out, lse)
@@ -218,7 +239,7 @@ def _config(family, q, scale, causal, window, backend) -> Config:
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window_size: expected a (left, right) pair (None = unbounded), got {window!r}")
     causal, left, right = canonical_mask(causal, *window)  # one spelling per mask, as torch and the core
-    return Config(family, scale, causal, (left, right), resolve_backend(backend))
+    return Config(family, scale, causal, (left, right), resolve_backend(backend), kernel_rules=backend != "reference")
 
 
 def ffpa_attention(q, k, v, *, scale: float | None = None, causal: bool = False, backend: str = "auto"):

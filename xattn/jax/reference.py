@@ -38,6 +38,7 @@ def varlen_visible(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, causa
 
     Tokens past ``cu[-1]`` belong to no segment and see nothing.
     """
+    cu_seqlens_q, cu_seqlens_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)  # NumPy ones too, under jit
     nseg = cu_seqlens_q.shape[0] - 1
 
     def locate(cu, total):

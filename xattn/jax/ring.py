@@ -66,13 +66,14 @@ class RingConfig:
     causal: bool
     window: tuple
     backend: str
+    kernel_rules: bool = True  # as Config.kernel_rules: False only for backend="reference" by name
 
     @property
     def halo(self) -> bool:
         return self.window != (None, None)
 
     def attn(self, causal: bool = False, window=(None, None)) -> Config:
-        return Config(self.family, self.scale, causal, window, self.backend)
+        return Config(self.family, self.scale, causal, window, self.backend, kernel_rules=self.kernel_rules)
 
 
 # --- the dual-chunk layout ----------------------------------------------------------------
@@ -341,13 +342,13 @@ def _window(causal, window_size):
     return causal, (left, right)
 
 
-def _family(family, d: int, dv: int, sliding: bool, backend: str) -> str:
+def _family(family, d: int, dv: int, sliding: bool, kernel_rules: bool) -> str:
     if family is not None:
         if family not in ("ffpa", "fa4"):
             raise ValueError(f"family: expected 'ffpa', 'fa4' or None, got {family!r}")
         return family
     family = family_for(d, dv, sliding=sliding)
-    if family is None and backend != "reference":
+    if family is None and kernel_rules:
         raise NotImplementedError(f"head dims {d}/{dv}: no xattn kernel (FFPA: 320-512 step 16, no windows; FA4: "
                                   f"{', '.join(f'{a}/{b}' for a, b in FA4_HEAD_DIMS)}); pass backend='reference'")
     return family or "fa4"
@@ -370,16 +371,17 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, scale: float | No
         raise ValueError(f"q, k: expected the same even local length 2L > 0 (dual-chunk shard), got "
                          f"{q.shape[1]} and {k.shape[1]}")
     causal, window = _window(causal, window_size)
+    kernel_rules = backend != "reference"  # "auto" off-GPU refuses what the kernels would (see Config)
     backend = resolve_backend(backend)
-    family = _family(family, q.shape[-1], v.shape[-1], window != (None, None), backend)
+    family = _family(family, q.shape[-1], v.shape[-1], window != (None, None), kernel_rules)
     try:
         size = lax.axis_size(axis_name)
     except NameError:
         raise ValueError(f"axis_name={axis_name!r} is not a mapped axis here: call ring_attention inside "
                          "jax.shard_map over that mesh axis") from None
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    cfg = RingConfig(axis_name, int(size), family, scale, causal, window, backend)
-    if backend == "kernel":  # refuse unsupported kernels before any collective is traced
+    cfg = RingConfig(axis_name, int(size), family, scale, causal, window, backend, kernel_rules)
+    if kernel_rules:  # refuse unsupported kernels before any collective is traced
         for direction in ("fwd", "bwd"):
             cfg.attn(causal, window).spec(direction, q, k, v)
     return _ring(cfg, q, k, v)

@@ -101,6 +101,8 @@ def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
     public functions and :mod:`xattn.jax.nn` validate first)."""
     c = cfg.base
     if c.backend == "reference":
+        if c.kernel_rules:
+            c.spec("fwd", q, k, v, varlen=True)  # what the kernels would refuse, refused here too
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
         out, lse = attention_reference(q[None], k[None], v[None], scale=c.scale, mask=mask)
         return out[0], lse[0]
@@ -118,6 +120,8 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
     (:func:`_padded_gemm_route`) the padded GEMM backward; no checks, as :func:`varlen_forward_call`."""
     c = cfg.base
     if c.backend == "reference":
+        if c.kernel_rules:
+            c.spec("bwd", q, k, v, varlen=True)
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
         grads = attention_reference_bwd(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                         scale=c.scale, mask=mask)
@@ -207,7 +211,7 @@ def _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_
     if family == "ffpa" and (left, right) != (None, None):  # on every backend, as the kernels refuse it
         raise NotImplementedError(f"window_size {tuple(window)}: FFPA has no sliding-window kernel on sm90; use "
                                   "family='fa4' (head_dim <= 256) for local layers")
-    base = Config(family, scale, causal, (left, right), resolve_backend(backend))
+    base = Config(family, scale, causal, (left, right), resolve_backend(backend), kernel_rules=backend != "reference")
     return VarlenConfig(base, max_seqlen_q, max_seqlen_k)
 
 
