@@ -191,6 +191,18 @@ def test_run_child_reports_result_error_and_timeout():
     assert run_child(py + ["import time; time.sleep(5)"], 0.5) == (None, "error: timeout after 0 s")
 
 
+def test_host_cost_rows_keep_the_best_of_their_runs():
+    merge = _load("tools/host_cost").merge  # a GPU tool: its merge of repeated runs, on the CPU
+    row = lambda label, us, call="c": dict(label=label, commit="abc", front_end="torch", call=call,  # noqa: E731
+                                           us_per_call=us)
+    first = merge([], [row("after", 30.0), row("before", 40.0)])
+    got = merge(first, [row("after", 25.0), row("after", 9.0, call="other")])
+    by = {(r["label"], r["call"]): r for r in got}
+    assert by["after", "c"]["us_per_call"] == 25.0 and by["after", "c"]["runs"] == [30.0, 25.0]
+    assert by["before", "c"]["us_per_call"] == 40.0 and by["after", "other"]["runs"] == [9.0]
+    assert merge(got, [row("after", 50.0)])[-1]["us_per_call"] == 25.0  # a slower run does not replace it
+
+
 def test_host_cost_cpu_tool_runs():
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "host_cost_cpu.py")], capture_output=True,

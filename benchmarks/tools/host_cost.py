@@ -149,6 +149,18 @@ def jax_rows() -> list[dict]:
     return out
 
 
+def merge(old: list[dict], rows: list[dict]) -> list[dict]:
+    """``old`` rows continued by ``rows``: a row measured again (same label, commit, front end, call) keeps
+    every run in ``runs`` and the best of them as ``us_per_call``; other old rows stay as they were."""
+    key = lambda r: (r["label"], r["commit"], r["front_end"], r["call"])  # noqa: E731
+    seen = {key(r): r for r in old}
+    for r in rows:
+        r["runs"] = seen.get(key(r), {}).get("runs", []) + [r["us_per_call"]]
+        r["us_per_call"] = min(r["runs"])
+    keys = {key(r) for r in rows}
+    return [r for r in old if key(r) not in keys] + rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="after")
@@ -175,14 +187,7 @@ def main():
         r.update(label=args.label, commit=commit, device=device, date=time.strftime("%Y-%m-%d"))
     if args.out:
         old = json.load(open(args.out)) if os.path.exists(args.out) else []
-        key = lambda r: (r["label"], r["commit"], r["front_end"], r["call"])  # noqa: E731
-        seen = {key(r): r for r in old}
-        for r in rows:
-            prev = seen.get(key(r))
-            r["runs"] = (prev or {}).get("runs", []) + [r["us_per_call"]]
-            r["us_per_call"] = min(r["runs"])
-        keys = {key(r) for r in rows}
-        rows = [r for r in old if key(r) not in keys] + rows
+        rows = merge(old, rows)
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def us_per_call(fn, n: int = 2000, loops: int = 7) -> float:
-    for _ in range(200):
-        fn()
-    best = float("inf")
-    for _ in range(loops):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
-    return best
+    """Best µs per call of ``loops`` loops of ``n`` calls (nothing to wait for: the core is a no-op)."""
+    from benchmarks.tools.host_cost import us_per_call as timed
+
+    return timed(fn, lambda: None, n=n, loops=loops)
 
 
 def rows() -> dict:
