@@ -376,7 +376,8 @@ def keeps_every_key(keep: torch.Tensor, padding_mask: torch.Tensor | None = None
     past the mask's end). Then the whole mask's answer is read in the same host sync and remembered
     while that tensor lives unmodified (same object, same ``_version``): HF hands one mask to the factory
     of each layer type in a forward, so a step with no padding reads it once, not once per factory.
-    Inference tensors (no version counter) and traced calls are read every time."""
+    Inference tensors (no version counter) and traced calls are read every time. Writes that bypass the
+    version counter (through ``.data`` or a NumPy view) are not seen, as autograd does not see them."""
     if padding_mask is None or torch.compiler.is_compiling() or padding_mask.is_inference():
         return bool(keep.all())
     seen = _PADDING_READS.get(id(padding_mask))
