@@ -209,9 +209,10 @@ def torch_step(impl: str, n: int, iters: int, packed: bool = False) -> dict:
 # --- JAX: a Flax nnx stack of the same layers -------------------------------------------------------
 
 def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, batch: int = 1, dtype: str = "bfloat16",
-                   packed: bool = False):
+                   packed: bool = False, backend: str = "auto"):
     """``(step, params, ids, labels)``: ``step(params, ids, labels) -> (loss, grads)``, jitted.
     ``packed``: one row of :func:`packed_documents` (segment ids; positions restart per document).
+    ``backend``: xattn's (``"reference"`` runs any head dim and float32, for the CPU wiring test).
 
     Each layer: RMSNorm -> q/k/v projections (full layers: v = k) -> q/k RMSNorm over the head dim
     -> RoPE -> attention (sliding: causal window ``dims["window"]`` keys; full: causal) -> output
@@ -243,15 +244,16 @@ def build_jax_step(impl: str, n: int, dims: dict = DIMS, vocab: int = VOCAB, bat
         if packed and impl == "xattn":
             family, win = ("fa4", (window - 1, 0)) if sliding else ("ffpa", (None, None))
             return xj.packed_attention(q, k, v, segments, max_segments=num_docs + 1, family=family, scale=1.0,
-                                       causal=True, window_size=win)
+                                       causal=True, window_size=win, backend=backend)
         if packed and impl == "xla":
             mask = (segments[:, None, :, None] == segments[:, None, None, :])
             return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation="xla",
                                                 local_window_size=(window - 1, 0) if sliding else None)
         if impl == "xattn":
             if sliding:
-                return xj.flash_attention(q, k, v, scale=1.0, causal=True, window_size=(window - 1, 0))
-            return xj.ffpa_attention(q, k, v, scale=1.0, causal=True)
+                return xj.flash_attention(q, k, v, scale=1.0, causal=True, window_size=(window - 1, 0),
+                                          backend=backend)
+            return xj.ffpa_attention(q, k, v, scale=1.0, causal=True, backend=backend)
         if impl == "xla":
             return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="xla",
                                                 local_window_size=(window - 1, 0) if sliding else None)

@@ -81,7 +81,8 @@ def test_plot(tmp_path):
 
 
 def test_e2e_gemma4_jax_model_xattn_equals_xla_on_the_reference_path():
-    """The JAX e2e model wires xattn exactly like jax.nn (window, causal, GQA, k == v): fp32, CPU."""
+    """The JAX e2e model wires xattn exactly like jax.nn (window, causal, GQA, k == v): fp32, CPU, on the
+    reference backend by name (fp32 and these small head dims are not kernel configurations)."""
     jax = pytest.importorskip("jax")
     pytest.importorskip("flax.nnx")
     from benchmarks.e2e_gemma4 import build_jax_step
@@ -90,7 +91,7 @@ def test_e2e_gemma4_jax_model_xattn_equals_xla_on_the_reference_path():
     with jax.default_matmul_precision("highest"):
         got = {}
         for impl in ("xattn", "xla", "none"):
-            step, params, ids, labels = build_jax_step(impl, 40, dims, vocab=100, dtype="float32")
+            step, params, ids, labels = build_jax_step(impl, 40, dims, vocab=100, dtype="float32", backend="reference")
             got[impl] = step(params, ids, labels)
     (loss_x, grads_x), (loss_r, grads_r), (loss_0, _) = got["xattn"], got["xla"], got["none"]
     assert abs(float(loss_x) - float(loss_r)) < 1e-5 * abs(float(loss_r))
