@@ -41,6 +41,19 @@ def us_per_call(fn, wait, n: int = 200, loops: int = 15) -> float:
     return best
 
 
+def gpu_us(fn, n: int = 200) -> float:
+    """Stream time per call (µs, CUDA events around ``n`` back-to-back calls of ``fn``)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
 def torch_rows() -> list[dict]:
     import torch
     from transformers import masking_utils as mu
@@ -48,15 +61,6 @@ def torch_rows() -> list[dict]:
     import xattn.core as xc
     import xattn.torch as xt
     from xattn.torch import ffpa_attention as fa
-
-    def gpu_us(fn, n=200):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / n
 
     class Layer(torch.nn.Module):
         is_causal = True

@@ -6,6 +6,7 @@ import time
 
 import torch
 import tvm_ffi
+from host_cost import gpu_us  # this folder is on sys.path when the probe runs as a script
 
 import xattn.core as xc
 from xattn.core import checks
@@ -63,16 +64,6 @@ def synced_us(fn, n=500):
         fn()
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e6
-
-
-def gpu_us(fn, n=200):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / n
 
 
 print(f"{'step':32s} {'loop':>9s} {'synced':>9s}", flush=True)
