@@ -40,7 +40,6 @@ def main() -> None:
     from xattn.core.spec import KernelSpec, supports
     from xattn.jax import _ffi
     from xattn.torch import ffpa_attention as fa
-    from xattn.torch import ops
 
     from . import space
     from .forms_harness import RUNNERS, _inputs
@@ -52,8 +51,7 @@ def main() -> None:
         post_init(self)
         seen.add(self)
     KernelSpec.__post_init__ = recording
-    for fam in ("ffpa", "fa4"):
-        ops._FWD[fam], ops._BWD[fam] = stubs._stub_fwd(fam), stubs._stub_bwd(fam)
+    stubs.install_for_process()
     fa.kernels_available = lambda: None
     _ffi.set_launcher_provider(numpy_launcher.provider)
     for front_end in space.FORM_FRONT_ENDS:

@@ -6,32 +6,46 @@ import dataclasses
 import torch
 
 from tests.reference import attention as ref_attention, attention_bwd as ref_bwd, varlen_attention as ref_varlen
-from xattn.core.checks import check_window
-from xattn.core.spec import canonical_mask, supports
+from xattn.core.checks import Meta, buffer_shapes, validate
 from xattn.torch import ops
 
 CALLS = []
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-def _spec(direction, family, q, k, v, causal, window_size, varlen):
-    """``(spec, causal, window)`` as the core keys the call: the mask in its one canonical spelling (FA2's
-    -1 read as unbounded; bad sides raise as in the core), a window refused where the core refuses it
-    (FFPA has none). The stand-ins run any dtype and head dim (fp64, d16 in the CPU tests), so only
-    what the window adds to the support check is judged here."""
-    causal, left, right = canonical_mask(causal, *check_window(window_size))
-    spec = ops._spec(direction, family, q, k, v, causal, -1 if left is None else left,
-                     -1 if right is None else right, varlen)
-    as_bf16 = dataclasses.replace(spec, dtype="bfloat16")
-    reason = supports(as_bf16)
-    if reason is not None and supports(dataclasses.replace(as_bf16, window_left=None, window_right=None)) is None:
-        raise NotImplementedError(reason)
-    return spec, causal, (left, right)
+def validate_any_head_dim(family, direction, q: Meta, k: Meta, v: Meta, **kw):
+    """The core's one validator (:func:`xattn.core.checks.validate`) on the call as the kernels would see
+    it: bf16 for any float dtype, and head dims the family runs (unequal ones kept unequal, so FFPA still
+    refuses them); the call's own dtype and head dims are put back into the spec. The stand-ins compute
+    in fp64 at any head dim (d16 in the CPU tests); everything else (ranks, GQA, windows, varlen, sizes)
+    is judged by the real validator."""
+    d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    kd, kdv = (512, 512 if dv == d else 496) if family == "ffpa" else (128, 128) if dv == d else (192, 128)
+
+    def as_kernel(m: Meta, dim: int) -> Meta:
+        return Meta((*m.shape[:-1], dim), "bfloat16" if m.dtype in _FLOATS else m.dtype)
+    spec, problem = validate(family, direction, as_kernel(q, kd), as_kernel(k, kd if dk == d else kd + 16),
+                             as_kernel(v, kdv), **kw)
+    return dataclasses.replace(spec, dtype=q.dtype, head_dim=d, head_dim_v=dv), problem
 
 
-def _stub_fwd(family):
-    def run(q, k, v, out, lse, *, softmax_scale, causal, window_size=(None, None), cu_seqlens_q=None,
-            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None, check_inputs=None):
-        spec, causal, window_size = _spec("fwd", family, q, k, v, causal, window_size, cu_seqlens_q is not None)
+def check_shapes_only(spec, problem, views) -> int:
+    """The per-buffer check on any device: exact shapes only (devices, strides and alignment are CUDA's)."""
+    for name, (shape, labels) in buffer_shapes(spec, problem).items():
+        if name in views and tuple(views[name].shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} {labels}, got {tuple(views[name].shape)}")
+    return 0
+
+
+def _mask(spec):
+    return spec.causal, (spec.window_left, spec.window_right)
+
+
+def _stub_fwd():
+    def run(plan, q, k, v, out, lse, *, softmax_scale, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+            max_seqlen_k=None, stream=None):
+        spec = plan[0]
+        causal, window_size = _mask(spec)
         for name, value in spec.output_fill().items():  # the op applied the documented pre-fill
             assert torch.all(dict(out=out, lse=lse)[name] == value), name
         if cu_seqlens_q is None:
@@ -41,15 +55,14 @@ def _stub_fwd(family):
                                 window=window_size)
         out.copy_(o)
         lse.copy_(l_)
-        CALLS.append(("fwd", family))
+        CALLS.append(("fwd", spec.family))
     return run
 
 
-def _stub_bwd(family):
-    def run(dout, q, k, v, out, lse, dq, dk, dv, *, workspace, softmax_scale, causal, window_size=(None, None),
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None,
-            check_inputs=None):
-        _, causal, window_size = _spec("bwd", family, q, k, v, causal, window_size, cu_seqlens_q is not None)
+def _stub_bwd():
+    def run(plan, dout, q, k, v, out, lse, dq, dk, dv, *, workspace, softmax_scale, cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None):
+        causal, window_size = _mask(plan[0])
         assert len(workspace) >= 2 and all(w.dtype == torch.float32 for w in workspace)
         if cu_seqlens_q is None:
             grads = ref_bwd(dout, q, k, v, out, lse, scale=softmax_scale, causal=causal, window=window_size)
@@ -66,12 +79,28 @@ def _stub_bwd(family):
                     grads[2][c:d] += part[2][0]
         for dst, g in zip((dq, dk, dv), grads):
             dst.copy_(g)
-        CALLS.append(("bwd", family))
+        CALLS.append(("bwd", plan[0].family))
     return run
 
 
 def install(monkeypatch):
-    for fam in ("ffpa", "fa4"):
-        monkeypatch.setitem(ops._FWD, fam, _stub_fwd(fam))
-        monkeypatch.setitem(ops._BWD, fam, _stub_bwd(fam))
+    """The stand-ins in place of the core's launches and per-buffer checks, with fresh plan memos (a plan
+    made under the stand-in validator must not outlive it)."""
+    for name, value in _REPLACED.items():
+        monkeypatch.setattr(ops, name, value())
     CALLS.clear()
+
+
+def install_for_process():
+    """:func:`install` for a whole process (subprocess tests: a ring rank, a spec recorder)."""
+    for name, value in _REPLACED.items():
+        setattr(ops, name, value())
+
+
+_REPLACED = {
+    "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd()},
+    "validate": lambda: validate_any_head_dim,
+    "check_buffers": lambda: check_shapes_only,
+    "_PLANS": dict,
+    "_FWD_PLANS": dict,
+}

@@ -209,7 +209,7 @@ def test_varlen_route_reads_document_lengths(monkeypatch, lens, route):
     t = sum(lens)
     q, k = torch.empty(t, 8, 512, dtype=torch.bfloat16), torch.empty(t, 1, 512, dtype=torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    spec = ops._spec("bwd", "ffpa", q, k, k, True, -1, -1, True)
+    spec = ops._plan("bwd", "ffpa", q, k, k, True, -1, -1, cu, cu, max(lens), max(lens))[0]
     choice, lengths = ops._bwd_route(spec, k, cu, cu)
     assert choice.route == route and lengths == (lens, lens)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")  # the forced FFPA route never reads cu_seqlens
@@ -224,7 +224,7 @@ def test_varlen_route_under_cuda_graph_capture_needs_no_lengths(monkeypatch):
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     q, k = torch.empty(8192, 8, 512, dtype=torch.bfloat16), torch.empty(8192, 1, 512, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4096, 8192], dtype=torch.int32)
-    spec = ops._spec("bwd", "ffpa", q, k, k, True, -1, -1, True)
+    spec = ops._plan("bwd", "ffpa", q, k, k, True, -1, -1, cu, cu, 4096, 4096)[0]
 
     class CudaLike(torch.Tensor):
         is_cuda = True
@@ -260,8 +260,8 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
         kw["gemms"] = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
         return real(*a, groups=groups, **kw)
 
-    def fused_fp64(spec, family, grads, dout, q, k, v, out, lse, softmax_scale, cu_q, cu_k, max_q, max_k):
-        assert spec.varlen and family == "ffpa"
+    def fused_fp64(plan, grads, dout, q, k, v, out, lse, softmax_scale, cu_q, cu_k, max_q, max_k):
+        assert plan[0].varlen and plan[0].family == "ffpa"
         fused.append(q.shape[0])
         cq, ck = cu_q.tolist(), cu_k.tolist()
         for i in range(len(cq) - 1):
@@ -273,10 +273,12 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
 
     monkeypatch.setattr(gb, "gemm_backward_varlen", on_standins)
     monkeypatch.setattr(ops, "_launch_bwd", fused_fp64)
-    monkeypatch.setattr(ops, "check_attention", lambda *a: None)  # CUDA-only input checks (tested elsewhere)
+    monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     lengths = (lens_q, lens_k)
-    got = ops._gemm_bwd(dout, q, k, v, out.half(), lse.float(), "ffpa", scale, causal, lengths,
+    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu_q, cu_k,
+                     max(lens_q), max(lens_k))
+    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, lengths,
                         (cu_q, cu_k, max(lens_q), max(lens_k)))
     short = [i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a and b and gb.plan_mod._align(b, 64) < 256]
     assert sorted(gemm_docs) == [i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a and b and i not in short]
@@ -286,6 +288,6 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
         assert err < 2e-2 * max(1.0, r.abs().max().item()), (name, err)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     gemm_docs.clear(), fused.clear()
-    ops._gemm_bwd(dout, q, k, v, out.half(), lse.float(), "ffpa", scale, causal, lengths,
+    ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, lengths,
                   (cu_q, cu_k, max(lens_q), max(lens_k)))
     assert not fused and len(gemm_docs) == sum(1 for a, b in zip(lens_q, lens_k) if a and b)

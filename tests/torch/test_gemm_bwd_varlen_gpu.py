@@ -179,7 +179,7 @@ def test_auto_route_splits_short_documents_onto_ffpa(monkeypatch):
     want = _want(dout, q, k, v, out, lse, lens, lens, True)
     args = (dout, q, k, v, out, lse, "ffpa", SCALE, True, -1, -1, cu, cu, m, m)
     fused, real = [], ops._launch_bwd
-    monkeypatch.setattr(ops, "_launch_bwd", lambda *a: fused.append(a[4].shape[0]) or real(*a))
+    monkeypatch.setattr(ops, "_launch_bwd", lambda *a: fused.append(a[3].shape[0]) or real(*a))
     ops.bwd(*args)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -69,9 +69,9 @@ def test_eager_path_and_custom_op_give_the_same_values_and_grads(varlen, monkeyp
 
 
 def _recording(fn, calls):
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
         calls.append(args)
-        return fn(*args)
+        return fn(*args, **kwargs)
     return wrapped
 
 
@@ -134,7 +134,7 @@ def test_zero_query_backward_gives_zero_key_grads(monkeypatch):
     """With no query row the core launches nothing; dk/dv must still be 0, not uninitialised memory."""
     from xattn.torch import ops
 
-    monkeypatch.setitem(ops._BWD, "fa4", lambda *a, **kw: None)  # the core's early return for total_q == 0
+    monkeypatch.setitem(ops.LAUNCH, "bwd", lambda *a, **kw: None)  # the core's early return for total_q == 0
     q, k, v = _qkv(nq=0, d=128)
     out = xt.attention(q, k, v)
     out.sum().backward()
@@ -175,12 +175,13 @@ def test_forward_without_autograd_skips_the_function_and_gives_the_same_bits(no_
 
 
 def test_forward_checks_run_once_per_signature(monkeypatch):
-    """The shape checks and the launcher spec are derived once per (shapes, dtype, flags); a refused call is
-    refused every time (never cached), and another shape is checked anew."""
+    """The core's validator runs once per (shapes, dtype, flags); a refused call is refused every time
+    (never cached), and another shape is checked anew."""
     from xattn.torch import ops
 
     checked = []
-    monkeypatch.setattr(ops, "_check_shapes", _recording(ops._check_shapes, checked))
+    monkeypatch.setattr(ops, "validate", _recording(ops.validate, checked))
+    monkeypatch.setattr(ops, "_PLANS", {})
     monkeypatch.setattr(ops, "_FWD_PLANS", {})
     q, k, v = (t.detach() for t in _qkv(b=1, nq=5, nk=7, d=128))
     for _ in range(3):

@@ -128,5 +128,5 @@ def test_low_level_op_refuses_windows_below_minus_one():
     from xattn.torch import ops
 
     q, k, v = (t.detach() for t in _qkv(128))
-    with pytest.raises(ValueError, match="window_left"):
+    with pytest.raises(ValueError, match="left side must be >= 0"):
         ops.attention_op(q, k, v, "fa4", 0.1, False, -3, 0, None, None, 0, 0)

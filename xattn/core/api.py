@@ -36,13 +36,13 @@ from __future__ import annotations
 import tvm_ffi
 
 from .cache import get_launcher
-from .checks import (Problem, as_tensor, check_scale, check_attention, check_layout_sizes, check_window,
-                     check_workspace, quick_check)
-from .spec import KernelSpec, canonical_mask, supports
+from .checks import (Meta, Problem, as_tensor, check_attention, check_layout_sizes, check_scale, check_window,
+                     check_workspace, quick_check, validate)
+from .spec import KernelSpec
 from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
 
-__all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace"]
+__all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
@@ -71,16 +71,13 @@ def bwd_workspace(family: str, q_shape, k_shape, *, head_dim_v: int | None = Non
     hq, d, hkv = q_shape[-2], q_shape[-1], k_shape[-2]
     if hkv < 1 or hq % hkv:
         raise ValueError(f"k_shape: Hkv={hkv} must divide Hq={hq}")
-    causal, window_size = _canonical(bool(causal), check_window(window_size))
-    spec = KernelSpec(family, "bwd", "bfloat16", d, head_dim_v or d, hq // hkv, causal, varlen, *window_size)
-    reason = supports(spec)
-    if reason is not None:
-        raise NotImplementedError(reason)
+    v_shape = (*k_shape[:-1], head_dim_v or d)
+    cu = {}
     if varlen:
-        p = Problem(num_seqs, 0, 0, q_shape[0], k_shape[0], hq, hkv, 0)
-    else:
-        b, nq, nk = q_shape[0], q_shape[1], k_shape[1]
-        p = Problem(b, nq, nk, b * nq, b * nk, hq, hkv, 0)
+        cu = dict(cu_seqlens_q=Meta((num_seqs + 1,), "int32"), cu_seqlens_k=Meta((num_seqs + 1,), "int32"),
+                  max_seqlen_q=0, max_seqlen_k=0)
+    spec, p = validate(family, "bwd", Meta(q_shape, "bfloat16"), Meta(k_shape, "bfloat16"), Meta(v_shape, "bfloat16"),
+                       causal=bool(causal), window=window_size, allow_no_keys=True, **cu)
     return _workspace_layout(spec, p)
 
 
@@ -106,58 +103,82 @@ def _launch(launcher, problem, args, scale, stream, diagnose) -> None:
         raise
 
 
-def _canonical(causal, window):
-    """``causal=True`` plus a left window is the window ``(left, 0)`` (see ``canonical_mask``)."""
-    if type(causal) is not bool or len(window) != 2:
-        return causal, window  # the checks name the bad argument
-    causal, left, right = canonical_mask(causal, *window)
-    return causal, (left, right)
-
-
 def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
          max_seqlen_q, max_seqlen_k, window, stream, check_inputs):
-    causal, window = _canonical(causal, window)
-    if stream is not None:
-        _check_stream(stream)
+    _check_stream(stream)
     scale = check_scale(softmax_scale)
     raw = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
-
-    def diagnose():
-        return check_attention(family, "fwd", raw, causal, *varlen_args)[:2]
-    spec, problem = quick_check(family, "fwd", raw, causal, *varlen_args) or diagnose()
-    if spec.varlen and checking(check_inputs):
-        check_host(cu_seqlens_q, cu_seqlens_k, problem.total_q, problem.total_k, max_seqlen_q, max_seqlen_k)
-    args = (q, k, v, out, lse) if not spec.varlen else (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
-    _launch(get_launcher(spec), problem, args, scale, stream, diagnose)
+    plan = quick_check(family, "fwd", raw, causal, *varlen_args) or \
+        check_attention(family, "fwd", raw, causal, *varlen_args)[:2]
+    if plan[0].varlen and checking(check_inputs):
+        check_host(cu_seqlens_q, cu_seqlens_k, plan[1].total_q, plan[1].total_k, max_seqlen_q, max_seqlen_k)
+    launch_fwd(plan, q, k, v, out, lse, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, stream=stream)
 
 
 def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q,
          cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, workspace, stream, check_inputs):
-    causal, window = _canonical(causal, window)
-    if stream is not None:
-        _check_stream(stream)
+    _check_stream(stream)
     scale = check_scale(softmax_scale)
     raw = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
-    workspace = None if workspace is None else list(workspace)
+    plan = quick_check(family, "bwd", raw, causal, *varlen_args) or \
+        check_attention(family, "bwd", raw, causal, *varlen_args)[:2]
+    if plan[0].varlen and checking(check_inputs):
+        check_host(cu_seqlens_q, cu_seqlens_k, plan[1].total_q, plan[1].total_k, max_seqlen_q, max_seqlen_k)
+    launch_bwd(plan, dout, q, k, v, out, lse, dq, dk, dv, workspace=workspace, softmax_scale=scale,
+               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+               max_seqlen_k=max_seqlen_k, stream=stream)
+
+
+def launch_fwd(plan, q, k, v, out, lse, *, softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, stream: int | None = None) -> None:
+    """Enqueue the forward of a call that :func:`~xattn.core.checks.validate` accepted: ``plan`` is its
+    ``(spec, problem)``, ``softmax_scale`` a float that :func:`~xattn.core.checks.check_scale` returned.
+
+    The front ends' entry (they validate once per call, allocate, then launch here); :func:`ffpa_fwd`
+    and :func:`fa4_fwd` are validation + this. The buffers' dtypes, shapes, strides, alignment and
+    device are checked in C by the launcher before any kernel starts; a refusal is explained by name
+    (:func:`~xattn.core.checks.check_attention`). cu_seqlens values are trusted (see the module docstring).
+    """
+    spec, problem = plan
+    if stream is not None:
+        _check_stream(stream)
+    args = (q, k, v, out, lse) if not spec.varlen else (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    window = (spec.window_left, spec.window_right)
 
     def diagnose():
-        spec, problem, _ = check_attention(family, "bwd", raw, causal, *varlen_args)
-        check_workspace(workspace, _workspace_layout(spec, problem), problem.device_index)
-        return spec, problem
-    spec, problem = quick_check(family, "bwd", raw, causal, *varlen_args) or diagnose()
+        check_attention(spec.family, "fwd", {"q": q, "k": k, "v": v, "out": out, "lse": lse}, spec.causal,
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
+    _launch(get_launcher(spec), problem, args, softmax_scale, stream, diagnose)
+
+
+def launch_bwd(plan, dout, q, k, v, out, lse, dq, dk, dv, *, workspace, softmax_scale: float, cu_seqlens_q=None,
+               cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+               stream: int | None = None) -> None:
+    """Enqueue the backward of a validated call, as :func:`launch_fwd`; ``workspace`` is the list of
+    buffers :func:`bwd_workspace` describes (their shapes are checked here: C does not check their rows)."""
+    spec, problem = plan
+    if stream is not None:
+        _check_stream(stream)
+    raw = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    window = (spec.window_left, spec.window_right)
+    workspace = None if workspace is None else list(workspace)
     layout = _workspace_layout(spec, problem)
+
+    def diagnose():
+        _, checked, _ = check_attention(spec.family, "bwd", raw, spec.causal, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q, max_seqlen_k, window)
+        check_workspace(workspace, layout, checked.device_index)
     if workspace is None or len(workspace) != len(layout) or any(
             as_tensor(x, n).shape != shape for x, (n, shape, _, _) in zip(workspace, layout)):
         diagnose()  # names the bad buffer (the rows dim of workspace is not checked in C)
-    if spec.varlen and checking(check_inputs):
-        check_host(cu_seqlens_q, cu_seqlens_k, problem.total_q, problem.total_k, max_seqlen_q, max_seqlen_k)
     args = [dout, q, k, v, out, lse]
     if spec.varlen:
         args += [cu_seqlens_q, cu_seqlens_k]
     args += [dq, dk, dv, *workspace]
-    _launch(get_launcher(spec), problem, args, scale, stream, diagnose)
+    _launch(get_launcher(spec), problem, args, softmax_scale, stream, diagnose)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

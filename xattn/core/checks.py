@@ -17,10 +17,11 @@ from typing import NamedTuple
 import tvm_ffi
 
 from .device import no_gpu_reason
-from .spec import DTYPES, KernelSpec, supports
+from .spec import DTYPES, KernelSpec, canonical_mask, supports
+from .varlen_check import check_metadata
 
-__all__ = ["Problem", "as_tensor", "check_attention", "check_layout_sizes", "check_sizes", "check_window",
-           "check_workspace", "quick_check"]
+__all__ = ["Meta", "Problem", "validate", "buffer_shapes", "as_tensor", "check_attention", "check_buffers",
+           "check_layout_sizes", "check_scale", "check_sizes", "check_window", "check_workspace", "quick_check"]
 
 _KDLCUDA = 2
 _HALF_DIV = 8  # elements per 16 bytes for fp16/bf16
@@ -197,15 +198,122 @@ def _dtype_name(x, view) -> str:
         return name
 
 
+class Meta(NamedTuple):
+    """What :func:`validate` reads of one array: its shape and dtype name ("bfloat16", "int32", ...)."""
+
+    shape: tuple
+    dtype: str
+
+
+def _expect(name: str, got: tuple, shape: tuple, labels: str) -> None:
+    if tuple(got) != shape:
+        raise ValueError(f"{name}: expected shape {shape} {labels}, got {tuple(got)}")
+
+
+def validate(family: str, direction: str, q: Meta, k: Meta, v: Meta, *, causal=False, window=(None, None),
+             cu_seqlens_q: Meta | None = None, cu_seqlens_k: Meta | None = None, max_seqlen_q=None,
+             max_seqlen_k=None, device_index: int = 0, allow_no_keys: bool = False,
+             kernel_rules: bool = True) -> tuple[KernelSpec, Problem]:
+    """The one validator of every call, from metadata alone: ``(spec, problem)`` or a named error.
+
+    ``q``/``k``/``v`` are :class:`Meta` of ``[B, N, H, D]`` (dense) or ``[T, H, D]`` (varlen: give
+    ``cu_seqlens_q/k`` Metas of int32 ``[B + 1]`` and ``max_seqlen_q/k``). ``causal``/``window`` in any
+    spelling :func:`~xattn.core.spec.canonical_mask` takes; the spec holds the canonical one. Checks, in
+    order: mask arguments, varlen pairing, ranks, dtypes (q fp16/bf16, k and v as q), GQA, k's head dim,
+    the family's support matrix (``NotImplementedError``), the kernels' size limits, the shapes of k
+    and v against q, cu_seqlens and max_seqlen, and a call with query rows but no key (refused unless
+    ``allow_no_keys``: front ends that write that result themselves, out 0 / lse -inf). What metadata
+    cannot tell (strides, alignment, devices) is checked on the buffers (:func:`check_buffers`).
+    ``kernel_rules=False`` keeps the shape rules only (no dtype list, support matrix or kernel size limits):
+    for a reference computation that runs any float dtype and head dim (``xattn.jax``'s
+    ``backend="reference"`` asked for by name)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    causal, left, right = canonical_mask(causal, *check_window(window))
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k: give both (varlen) or neither (dense)")
+    rank = 3 if varlen else 4
+    for n, m in (("q", q), ("k", k), ("v", v)):
+        if len(m.shape) != rank:
+            what = "[T, H, D] (varlen)" if varlen else "[B, N, H, D] (dense)"
+            raise ValueError(f"{n}: expected rank {rank} {what}, got shape {tuple(m.shape)}")
+    dtype = q.dtype
+    if dtype not in DTYPES and kernel_rules:
+        raise TypeError(f"q: expected dtype float16 or bfloat16, got {dtype}")
+    for n, m in (("k", k), ("v", v)):
+        if m.dtype != dtype:
+            raise TypeError(f"{n}: expected dtype {dtype} (as q), got {m.dtype}")
+    *lead_q, hq, d = q.shape
+    *lead_k, hkv, d_k = k.shape
+    dv = v.shape[-1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"k: Hkv={hkv} must divide Hq={hq} (grouped-query attention)")
+    if d_k != d:
+        lab = "[T, Hkv, D]" if varlen else "[B, N, Hkv, D]"
+        raise ValueError(f"k: expected shape {(*lead_k, hkv, d)} {lab} (q and k share the head dim D = {d}), "
+                         f"got {tuple(k.shape)}")
+    spec, reason = _spec(family, direction, dtype, d, dv, hq // hkv, causal, varlen, left, right)
+    if kernel_rules:
+        if reason is not None:
+            raise NotImplementedError(reason)
+        check_sizes(q.shape, k.shape, v.shape, varlen)
+    if varlen:
+        (tq,), (tk,) = lead_q, lead_k
+        check_metadata("cu_seqlens_q", cu_seqlens_q.dtype, cu_seqlens_q.shape)
+        check_metadata("cu_seqlens_k", cu_seqlens_k.dtype, cu_seqlens_k.shape, cu_seqlens_q.shape)
+        batch = cu_seqlens_q.shape[0] - 1
+        nq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", "cu_seqlens_q")
+        nk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", "cu_seqlens_k")
+        rows_k = (tk,)
+    else:
+        (batch, nq), (bk, nk) = lead_q, lead_k
+        if bk != batch:
+            raise ValueError(f"k: expected batch {batch} (as q), got shape {tuple(k.shape)}")
+        tq, tk = batch * nq, batch * nk
+        rows_k = (batch, nk)
+    lab = "[T, " if varlen else "[B, N, "
+    _expect("v", v.shape, (*rows_k, hkv, dv), lab + "Hkv, Dv]")
+    if tk == 0 and tq > 0 and not allow_no_keys:
+        raise ValueError(f"k: no keys at all (shape {tuple(k.shape)}) for {tq} query rows; "
+                         "attention over an empty key set is undefined")
+    return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, device_index)
+
+
+def buffer_shapes(spec: KernelSpec, p: Problem) -> dict:
+    """``{name: (shape, labels)}`` of every attention buffer of a validated call (lse included)."""
+    d, dv, hq, hkv = spec.head_dim, spec.head_dim_v, p.heads_q, p.heads_kv
+    if spec.varlen:
+        rows_q, rows_k, lab = (p.total_q,), (p.total_k,), "[T, "
+        lse = ((hq, p.total_q), "[Hq, Tq]")
+    else:
+        rows_q, rows_k, lab = (p.batch, p.seqlen_q), (p.batch, p.seqlen_k), "[B, N, "
+        lse = ((p.batch, hq, p.seqlen_q), "[B, Hq, Nq]")
+    return {
+        "q": ((*rows_q, hq, d), lab + "Hq, D]"),
+        "k": ((*rows_k, hkv, d), lab + "Hkv, D]"),
+        "v": ((*rows_k, hkv, dv), lab + "Hkv, Dv]"),
+        "out": ((*rows_q, hq, dv), lab + "Hq, Dv]"),
+        "dout": ((*rows_q, hq, dv), lab + "Hq, Dv]"),
+        "dq": ((*rows_q, hq, d), lab + "Hq, D]"),
+        "dk": ((*rows_k, hkv, d), lab + "Hkv, D]"),
+        "dv": ((*rows_k, hkv, dv), lab + "Hkv, Dv]"),
+        "lse": lse,
+    }
+
+
+def _meta(t) -> Meta:
+    return Meta(tuple(t.shape), str(t.dtype))
+
+
 def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, window):
-    """The cheap subset of :func:`check_attention` that selects the launcher (hot path).
+    """:func:`validate` on q, k, v (and cu_seqlens) metadata, memoised by that metadata (hot path).
 
-    Reads only q, k, v (and cu_seqlens_q) metadata. Returns ``(spec, problem)``, or ``None``
-    when anything is off; the caller then runs :func:`check_attention` for a named error.
-    The remaining per-buffer checks (dtype, shape against q/k, strides, 16-byte alignment,
-    device) run in C in the compiled launcher's TVM-FFI entry before any kernel starts;
-    the caller diagnoses their failures with :func:`check_attention` too.
+    Returns ``(spec, problem)``, or ``None`` when anything is off; the caller then runs
+    :func:`check_attention` for a named error. The remaining per-buffer checks (dtype, shape against
+    q/k, strides, 16-byte alignment, device) run in C in the compiled launcher's TVM-FFI entry before
+    any kernel starts; the caller diagnoses their failures with :func:`check_attention` too.
     """
     try:
         if type(causal) is not bool:
@@ -224,9 +332,12 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
                cu_seqlens_k is None, max_seqlen_q, max_seqlen_k, dev.index)
         hit = _QUICK.get(key)
         if hit is None:
-            hit = _quick_derive(family, direction, q_raw, q, key, causal, varlen, cu_seqlens_k is not None, window)
-            if hit is None:
-                return None
+            cu = {}
+            if varlen:
+                cu = dict(cu_seqlens_q=_meta(_view(cu_seqlens_q)), cu_seqlens_k=_meta(_view(cu_seqlens_k)))
+            metas = [Meta(tuple(_shape(x)), _dtype_name(x, _view(x))) for x in (q_raw, k_raw, v_raw)]
+            hit = validate(family, direction, *metas, causal=causal, window=window, max_seqlen_q=max_seqlen_q,
+                           max_seqlen_k=max_seqlen_k, device_index=dev.index, **cu)
             if len(_QUICK) > 4096:
                 _QUICK.clear()
             _QUICK[key] = hit
@@ -241,113 +352,48 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
 _QUICK: dict = {}
 
 
-def _quick_derive(family, direction, q_raw, q, key, causal, varlen, has_cu_k, window):
-    qs, ks, vs, cus, max_seqlen_q, max_seqlen_k, device_index = key[6:10] + key[11:14]
-    rank = 3 if varlen else 4
-    if has_cu_k != varlen or len(qs) != rank or len(ks) != rank or len(vs) != rank:
-        return None
-    hq, d, hkv, dv = qs[-2], qs[-1], ks[-2], vs[-1]
-    if hkv == 0 or hq % hkv:
-        return None
-    if varlen:
-        if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or min(max_seqlen_q, max_seqlen_k) < 0:
-            return None
-        batch, nq, nk, tq, tk = cus[0] - 1, max_seqlen_q, max_seqlen_k, qs[0], ks[0]
-        if batch < 1:
-            return None
-    else:
-        batch, nq, nk = qs[0], qs[1], ks[1]
-        tq, tk = batch * nq, batch * nk
-        if ks[0] != batch:
-            return None
-    if tk == 0 and tq > 0:
-        return None
-    check_sizes(qs, ks, vs, varlen)  # raises: quick_check returns None and the full check names it
-    spec, reason = _spec(family, direction, _dtype_name(q_raw, q), d, dv, hq // hkv, causal, varlen, *window)
-    if reason is not None:
-        return None
-    return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, device_index)
-
-
 def check_attention(family: str, direction: str, buffers: dict, causal: bool = False,
                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                     window=(None, None), allow_no_keys: bool = False) -> tuple[KernelSpec, Problem, dict]:
-    """Validate one call; return its compile key, sizes and the buffers as tvm_ffi tensors.
+    """Validate one call on its buffers: :func:`validate` on their metadata, then :func:`check_buffers`.
+    Returns the compile key, the sizes and the buffers as tvm_ffi tensors.
 
     ``buffers`` maps argument names (q, k, v, out, lse, and dout, dq, dk, dv for backward)
     to DLPack tensors. Inputs are read-only; out/lse (forward) and dq/dk/dv are written.
-    Query rows without any key (Tk = 0 < Tq) are refused unless ``allow_no_keys`` (front ends
-    that write the result of such a call themselves, out 0 / lse -inf, validate it this way).
+    ``allow_no_keys`` as in :func:`validate`.
     """
     outputs = ("out", "lse") if direction == "fwd" else ("dq", "dk", "dv")
     ts = {n: as_tensor(x, n, writable=n in outputs) for n, x in buffers.items()}
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    varlen = cu_seqlens_q is not None
-    if varlen != (cu_seqlens_k is not None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k: give both (varlen) or neither (dense)")
-    q, k, v = ts["q"], ts["k"], ts["v"]
-    rank = 3 if varlen else 4
-    for n in ("q", "k", "v"):
-        if ts[n].ndim != rank:
-            what = "[T, H, D] (varlen)" if varlen else "[B, N, H, D] (dense)"
-            raise ValueError(f"{n}: expected rank {rank} {what}, got shape {tuple(ts[n].shape)}")
-    dtype = str(q.dtype)
-    if dtype not in DTYPES:
-        raise TypeError(f"q: expected dtype float16 or bfloat16, got {dtype}")
-    *lead_q, hq, d = q.shape
-    *lead_k, hkv, _ = k.shape
-    dv = v.shape[-1]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"k: Hkv={hkv} must divide Hq={hq} (grouped-query attention)")
-    spec, reason = _spec(family, direction, dtype, d, dv, hq // hkv, causal, varlen, *window)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    check_sizes(q.shape, k.shape, v.shape, varlen)
+    cu = {}
+    if cu_seqlens_q is not None:
+        cu["cu_seqlens_q"] = _meta(as_tensor(cu_seqlens_q, "cu_seqlens_q"))
+    if cu_seqlens_k is not None:
+        cu["cu_seqlens_k"] = _meta(as_tensor(cu_seqlens_k, "cu_seqlens_k"))
+    spec, problem = validate(family, direction, _meta(ts["q"]), _meta(ts["k"]), _meta(ts["v"]), causal=causal,
+                             window=window, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             allow_no_keys=allow_no_keys, **cu)
+    if spec.varlen:
+        ts["cu_seqlens_q"], ts["cu_seqlens_k"] = _view(cu_seqlens_q), _view(cu_seqlens_k)
+    index = check_buffers(spec, problem, ts)
+    return spec, problem._replace(device_index=index), ts
 
-    if varlen:
-        (tq,), (tk,) = lead_q, lead_k
-        ts["cu_seqlens_q"] = as_tensor(cu_seqlens_q, "cu_seqlens_q")
-        ts["cu_seqlens_k"] = as_tensor(cu_seqlens_k, "cu_seqlens_k")
-        cu = ts["cu_seqlens_q"]
-        if cu.ndim != 1 or cu.shape[0] < 2:
-            raise ValueError(f"cu_seqlens_q: expected shape [B + 1] with B >= 1, got {tuple(cu.shape)}")
-        batch = cu.shape[0] - 1
-        for n in ("cu_seqlens_q", "cu_seqlens_k"):
-            _check(ts[n], n, (batch + 1,), "[B + 1]", "int32", 1, 4)
-        nq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", "cu_seqlens_q")
-        nk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", "cu_seqlens_k")
-        rows_q, rows_k = (tq,), (tk,)
-        lse_shape, lse_labels = (hq, tq), "[Hq, Tq]"
-    else:
-        (batch, nq), (bk, nk) = lead_q, lead_k
-        if bk != batch:
-            raise ValueError(f"k: expected batch {batch} (as q), got shape {tuple(k.shape)}")
-        tq, tk = batch * nq, batch * nk
-        rows_q, rows_k = (batch, nq), (batch, nk)
-        lse_shape, lse_labels = (batch, hq, nq), "[B, Hq, Nq]"
-    if tk == 0 and tq > 0 and not allow_no_keys:
-        raise ValueError(f"k: no keys at all (shape {tuple(k.shape)}) for {tq} query rows; "
-                         "attention over an empty key set is undefined")
-    lab = "[T, " if varlen else "[B, N, "
-    expect = {
-        "q": ((*rows_q, hq, d), lab + "Hq, D]"),
-        "k": ((*rows_k, hkv, d), lab + "Hkv, D]"),
-        "v": ((*rows_k, hkv, dv), lab + "Hkv, Dv]"),
-        "out": ((*rows_q, hq, dv), lab + "Hq, Dv]"),
-        "dout": ((*rows_q, hq, dv), lab + "Hq, Dv]"),
-        "dq": ((*rows_q, hq, d), lab + "Hq, D]"),
-        "dk": ((*rows_k, hkv, d), lab + "Hkv, D]"),
-        "dv": ((*rows_k, hkv, dv), lab + "Hkv, Dv]"),
-    }
+
+def check_buffers(spec: KernelSpec, problem: Problem, ts: dict) -> int:
+    """The checks metadata cannot make, on the ``tvm_ffi.Tensor`` views ``ts`` of a call that
+    :func:`validate` accepted: each buffer's dtype and exact shape, unit innermost stride, 16-byte strides
+    and alignment, and one CUDA device for all. Returns that device's index."""
+    expect = buffer_shapes(spec, problem)
     for n, t in ts.items():
-        if n in expect:
-            _check(t, n, *expect[n], dtype, _HALF_DIV, 16)
-    _check(ts["lse"], "lse", lse_shape, lse_labels, "float32", 1, 4)
-    index = _check_device(q, "q", None)
+        if n in expect and n != "lse":
+            _check(t, n, *expect[n], spec.dtype, _HALF_DIV, 16)
+        elif n.startswith("cu_seqlens"):
+            _check(t, n, (problem.batch + 1,), "[B + 1]", "int32", 1, 4)
+    if "lse" in ts:
+        _check(ts["lse"], "lse", *expect["lse"], "float32", 1, 4)
+    index = _check_device(ts["q"], "q", None)
     for n, t in ts.items():
         _check_device(t, n, index)
-    return spec, Problem(batch, nq, nk, tq, tk, hq, hkv, index), ts
+    return index
 
 
 def check_workspace(workspace, layout: list, index: int) -> list:

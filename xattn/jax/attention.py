@@ -31,8 +31,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
 from xattn.core import gemm_bwd as _gemm_route
-from xattn.core.checks import check_layout_sizes, check_scale, check_sizes
-from xattn.core.spec import KernelSpec, canonical_mask, supports
+from xattn.core.checks import Meta, Problem, check_layout_sizes, check_scale, validate
+from xattn.core.spec import KernelSpec, canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
@@ -75,28 +75,36 @@ class Config:
     def __post_init__(self):
         object.__setattr__(self, "scale", static_scale(self.scale, 0))  # every route (nn, varlen, ring) too
 
-    def spec(self, direction: str, q, k, v, varlen: bool = False) -> KernelSpec:
-        """The launcher spec of this call, or the error the kernels' rules name (TypeError for dtypes,
-        ValueError for shapes and sizes, NotImplementedError for configurations no kernel runs); on the
-        kernel backend, the backward also applies the deterministic mode (:mod:`xattn.jax.determinism`)."""
-        dtype = _DTYPES.get(jnp.dtype(q.dtype))
-        if dtype is None:
-            raise TypeError(f"q: expected float16 or bfloat16 for the {self.family} kernels, got {q.dtype}")
-        for name, t in (("k", k), ("v", v)):
-            if jnp.dtype(t.dtype) != jnp.dtype(q.dtype):
-                raise TypeError(f"{name}: expected dtype {q.dtype} (as q), got {t.dtype}")
-        hq, hkv = q.shape[-2], k.shape[-2]
-        if hkv == 0 or hq % hkv:
-            raise ValueError(f"k: Hkv={hkv} must divide Hq={hq}")
-        spec = KernelSpec(self.family, direction, dtype, q.shape[-1], v.shape[-1], hq // hkv, self.causal,
-                          varlen, *self.window)
-        reason = supports(spec)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        check_sizes(q.shape, k.shape, v.shape, varlen)  # the kernels' 32-bit indexing and CUDA grid limits
+    def plan(self, direction: str, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+             max_seqlen_k=None) -> tuple[KernelSpec, Problem]:
+        """``(spec, problem)`` of this call from the core's one validator (:func:`xattn.core.checks.validate`:
+        TypeError for dtypes, ValueError for shapes and sizes, NotImplementedError for configurations no
+        kernel runs), memoised by the arrays' metadata; varlen calls pass cu_seqlens and max_seqlen. Without
+        ``kernel_rules`` (the reference by name) only the shape rules apply. On the kernel backend, the
+        backward also applies the deterministic mode (:mod:`xattn.jax.determinism`)."""
+        cu = None if cu_seqlens_q is None else (_meta(cu_seqlens_q), _meta(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+        plan = _validated(self.family, direction, _meta(q), _meta(k), _meta(v), self.causal, self.window, cu,
+                          self.kernel_rules)
         if direction == "bwd" and self.backend == "kernel":
-            check_backward(spec, self.deterministic)  # XATTN_DETERMINISTIC: raise/warn for a nondeterministic backward
-        return spec
+            check_backward(plan[0], self.deterministic)  # XATTN_DETERMINISTIC: raise/warn if nondeterministic
+        return plan
+
+    def spec(self, direction: str, q, k, v, *varlen_args) -> KernelSpec:
+        """The launcher spec of :meth:`plan`."""
+        return self.plan(direction, q, k, v, *varlen_args)[0]
+
+
+def _meta(x) -> Meta:
+    return Meta(tuple(x.shape), jnp.dtype(x.dtype).name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _validated(family, direction, q, k, v, causal, window, varlen, kernel_rules):
+    cu = {}
+    if varlen is not None:
+        cu = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
+    return validate(family, direction, q, k, v, causal=causal, window=window, allow_no_keys=True,
+                    kernel_rules=kernel_rules, **cu)
 
 
 def resolve_backend(backend: str) -> str:
@@ -109,17 +117,11 @@ def resolve_backend(backend: str) -> str:
 
 
 def check_dense(q, k, v) -> None:
-    """Rank and shape agreement of dense q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]``."""
+    """q, k, v are arrays (JAX or NumPy); their ranks, shapes and dtypes are the core validator's
+    (:meth:`Config.plan`), which every public function runs on them."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name}: expected a JAX or NumPy array, got {type(x).__name__}")
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v: expected rank 4 [B, N, H, D], got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k/v: expected [B, Nk, Hkv, D] / [B, Nk, Hkv, Dv] matching q {q.shape}; "
-                         f"got {k.shape}, {v.shape}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
-        raise ValueError(f"k: Hkv={k.shape[2]} must divide Hq={q.shape[2]} (grouped-query attention)")
 
 
 # --- kernels through XLA FFI, with vmap folded into the batch dim (one launch) -------------
@@ -192,8 +194,7 @@ def forward_call(cfg: Config, q, k, v):
     """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of one dense call on ``cfg``'s backend (inputs
     already checked); the building block of the custom_vjp functions, :mod:`.nn` and :mod:`.ring`."""
     if cfg.backend == "reference":
-        if cfg.kernel_rules:
-            cfg.spec("fwd", q, k, v)  # what the kernels would refuse, refused here too
+        cfg.plan("fwd", q, k, v)  # the one validator; under kernel_rules, what the kernels would refuse too
         return attention_reference(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window)
     out, lse = _kernels(cfg)[0](q, k, v)
     return out, lse
@@ -204,7 +205,9 @@ def backward_call(cfg: Config, dout, q, k, v, out, lse):
     backend and backward route; inputs already checked, as :func:`forward_call`."""
     if cfg.backend == "reference":
         if cfg.kernel_rules:
-            _bwd_plan(cfg, q, k, v)
+            _bwd_plan(cfg, q, k, v)  # the validator, and the kernels' workspace limits
+        else:
+            cfg.plan("bwd", q, k, v)
         return attention_reference_bwd(dout, q, k, v, out, lse, scale=cfg.scale, causal=cfg.causal,
                                        window=cfg.window)
     dq, dk, dv = _kernels(cfg)[1](dout, q, k, v, out, lse)
@@ -233,7 +236,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _config(family, q, scale, causal, window, backend) -> Config:
-    scale = static_scale(scale, q.shape[-1])
+    scale = static_scale(scale, q.shape[-1] if q.ndim else 0)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if not isinstance(window, (tuple, list)) or len(window) != 2:

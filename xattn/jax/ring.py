@@ -34,7 +34,6 @@ heads. The all-gather moves ``2P * (min(left, L) + min(right, L))`` tokens of K 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -48,7 +47,8 @@ from xattn.core.ring_layout import chunk_length, chunks_of, edge_widths, halo_pl
 from xattn.core.spec import FA4_HEAD_DIMS, canonical_mask, family_for
 
 from . import _ffi
-from .attention import RESIDUAL_NAMES, Config, backward_call, forward_call, check_dense, resolve_backend
+from .attention import (RESIDUAL_NAMES, Config, backward_call, check_dense, forward_call, resolve_backend,
+                        static_scale)
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "sequence_positions"]
 
@@ -379,7 +379,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, scale: float | No
     except NameError:
         raise ValueError(f"axis_name={axis_name!r} is not a mapped axis here: call ring_attention inside "
                          "jax.shard_map over that mesh axis") from None
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = static_scale(scale, q.shape[-1])  # the core's one scale check, under jax.nn's name
     cfg = RingConfig(axis_name, int(size), family, scale, causal, window, backend, kernel_rules)
     if kernel_rules:  # refuse unsupported kernels before any collective is traced
         for direction in ("fwd", "bwd"):

@@ -45,7 +45,7 @@ from xattn.core.spec import canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import _ffi
-from .attention import RESIDUAL_NAMES, Config, resolve_backend, static_scale
+from .attention import RESIDUAL_NAMES, Config, check_dense, resolve_backend, static_scale
 from .reference import attention_reference, attention_reference_bwd, varlen_visible
 
 __all__ = ["varlen_attention", "varlen_fwd", "varlen_bwd", "segment_ids_to_cu_seqlens", "packed_attention"]
@@ -65,14 +65,6 @@ _log = logging.getLogger("xattn")
 
 _OPS = vc.ArrayOps(first_true=jnp.argmax, take=lambda x, i: x[i],
                    stack=lambda values: jnp.stack([jnp.asarray(x).astype(jnp.int32) for x in values]))
-
-
-def _check(q, k, v, cu_q, cu_k):
-    """The static checks (ranks, cu_seqlens dtype and shapes), every call."""
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(f"q, k, v: expected rank 3 [T, H, D] (varlen), got {q.shape}, {k.shape}, {v.shape}")
-    vc.check_metadata("cu_seqlens_q", jnp.dtype(cu_q.dtype).name, cu_q.shape)
-    vc.check_metadata("cu_seqlens_k", jnp.dtype(cu_k.dtype).name, cu_k.shape, cu_q.shape)
 
 
 def _check_values(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q, max_seqlen_k):
@@ -101,12 +93,11 @@ def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
     public functions and :mod:`xattn.jax.nn` validate first)."""
     c = cfg.base
     if c.backend == "reference":
-        if c.kernel_rules:
-            c.spec("fwd", q, k, v, varlen=True)  # what the kernels would refuse, refused here too
+        c.plan("fwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
         out, lse = attention_reference(q[None], k[None], v[None], scale=c.scale, mask=mask)
         return out[0], lse[0]
-    spec = c.spec("fwd", q, k, v, varlen=True)
+    spec = c.spec("fwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)
     if q.shape[0] == 0 or k.shape[0] == 0:  # no query token, or no key in any segment: no launch
         return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype), jnp.full((q.shape[1], q.shape[0]), -jnp.inf,
                                                                          jnp.float32)
@@ -120,13 +111,12 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
     (:func:`_padded_gemm_route`) the padded GEMM backward; no checks, as :func:`varlen_forward_call`."""
     c = cfg.base
     if c.backend == "reference":
-        if c.kernel_rules:
-            c.spec("bwd", q, k, v, varlen=True)
+        c.plan("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
         grads = attention_reference_bwd(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                         scale=c.scale, mask=mask)
         return tuple(g[0] for g in grads)
-    spec = c.spec("bwd", q, k, v, varlen=True)
+    spec = c.spec("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing was computed: every gradient is 0
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     if _padded_gemm_route(cfg, spec, q, k, cu_q):
@@ -206,7 +196,7 @@ def _config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_
             raise ValueError(f"{name}: expected a static non-negative int, got {value!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    scale = static_scale(scale, q.shape[-1])  # TypeError/ValueError naming `scale`
+    scale = static_scale(scale, q.shape[-1] if q.ndim else 0)  # TypeError/ValueError naming `scale`
     causal, left, right = canonical_mask(causal, *tuple(window))  # one spelling per mask
     if family == "ffpa" and (left, right) != (None, None):  # on every backend, as the kernels refuse it
         raise NotImplementedError(f"window_size {tuple(window)}: FFPA has no sliding-window kernel on sm90; use "
@@ -238,10 +228,12 @@ def _checked_config(q, k, v, cu_q, cu_k, family, scale, causal, window, backend,
                     check_inputs):
     """The static checks and the config; then, in checked mode, the cu_seqlens values.
     Returns ``(cfg, cu_q, cu_k)``, the cu_seqlens to launch with."""
-    _check(q, k, v, cu_q, cu_k)
+    check_dense(q, k, v)  # arrays; the rest is the core's one validator, run here on the call's metadata
+    cu_q, cu_k = (jnp.asarray(x) if not hasattr(x, "dtype") else x for x in (cu_q, cu_k))
     _check_same_devices(q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     cfg = dataclasses.replace(_config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_k),
                               same_segments=cu_q is cu_k)
+    cfg.base.plan("fwd", q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
     if vc.checking(check_inputs):
         cu_q, cu_k = _check_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return cfg, cu_q, cu_k

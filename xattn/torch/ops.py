@@ -16,7 +16,6 @@ cu_seqlens values are trusted by the custom ops (the core is called with ``check
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 from typing import Optional
@@ -25,7 +24,8 @@ import torch
 from torch import Tensor
 
 import xattn.core as xc
-from xattn.core.checks import check_attention, check_layout_sizes, check_scale, check_sizes
+from xattn.core.api import launch_bwd, launch_fwd
+from xattn.core.checks import Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
 from xattn.core import gemm_bwd as _gemm_route
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
@@ -36,22 +36,42 @@ __all__ = ["fwd", "bwd", "attention_op"]
 
 _log = logging.getLogger("xattn")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_FWD = {"ffpa": xc.ffpa_fwd, "fa4": xc.fa4_fwd}
-_BWD = {"ffpa": xc.ffpa_bwd, "fa4": xc.fa4_bwd}
+# the core's launch entries, by direction (tests swap them for stand-ins that run without a GPU)
+LAUNCH = {"fwd": launch_fwd, "bwd": launch_bwd}
 
 
-def _spec(direction, family, q, k, v, causal, window_left, window_right, varlen) -> xc.KernelSpec:
-    return _spec_of(direction, family, q.dtype, q.shape[-1], v.shape[-1],
-                    max(q.shape[-2] // max(k.shape[-2], 1), 1), causal, window_left, window_right, varlen)
+def _meta(name: str, t) -> Meta:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return Meta(tuple(t.shape), _DTYPES.get(t.dtype) or str(t.dtype).removeprefix("torch."))
 
 
-@functools.lru_cache(maxsize=1024)
-def _spec_of(direction, family, dtype, d, dv, g, causal, window_left, window_right, varlen) -> xc.KernelSpec:
-    for side, w in (("window_left", window_left), ("window_right", window_right)):
-        if w < -1:
-            raise ValueError(f"{side}: expected >= 0, or -1 for unbounded; got {w}")
-    window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
-    return xc.KernelSpec(family, direction, _DTYPES.get(dtype, str(dtype)), d, dv, g, causal, varlen, *window)
+_PLANS: dict = {}  # the call's metadata -> (spec, problem) from the core's validator
+_MAX_PLANS = 4096
+
+
+def _plan(direction, family, q, k, v, causal, window_left, window_right, cu_seqlens_q=None, cu_seqlens_k=None,
+          max_seqlen_q=0, max_seqlen_k=0) -> tuple[xc.KernelSpec, Problem]:
+    """``(spec, problem)`` of a call from :func:`xattn.core.checks.validate` (the one validator), memoised
+    by the metadata it reads: once per signature (decode calls repeat one). Sides ``-1`` = unbounded."""
+    key = (direction, family, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal, window_left,
+           window_right, None if cu_seqlens_q is None else (cu_seqlens_q.shape, cu_seqlens_q.dtype),
+           None if cu_seqlens_k is None else (cu_seqlens_k.shape, cu_seqlens_k.dtype), max_seqlen_q, max_seqlen_k,
+           q.device.index)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cu = {}
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            cu = {n: None if t is None else _meta(n, t)
+                  for n, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))}
+            cu.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        plan = validate(family, direction, _meta("q", q), _meta("k", k), _meta("v", v), causal=causal,
+                        window=(window_left, window_right), device_index=q.device.index or 0, allow_no_keys=True,
+                        **cu)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def _new(shape, dtype, device, fill):
@@ -59,40 +79,25 @@ def _new(shape, dtype, device, fill):
         torch.full(shape, fill, dtype=dtype, device=device)
 
 
-def _kw(spec, family, softmax_scale, cu_q, cu_k, max_q, max_k):
-    kw = dict(softmax_scale=softmax_scale, causal=spec.causal, window_size=(spec.window_left, spec.window_right))
-    if cu_q is not None:
-        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                  check_inputs=False)  # attention_op checked them (checked mode); no second sync
-    return kw
+def _varlen_kw(cu_q, cu_k, max_q, max_k) -> dict:
+    """The launch keywords of a packed call (none for a dense one)."""
+    if cu_q is None:
+        return {}
+    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
-def _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
-    """Ranks and the kernels' size limits, from shapes alone: before anything is allocated (an expanded
-    ``[B, 2**31, H, D]`` view must not cost an output of that size). The core checks everything else."""
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k: give both (varlen) or neither (dense)")
-    varlen = cu_seqlens_q is not None
-    rank = 3 if varlen else 4
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != rank:
-            what = "[T, H, D] (varlen)" if varlen else "[B, N, H, D] (dense)"
-            raise ValueError(f"{name}: expected rank {rank} {what}, got shape {tuple(t.shape)}")
-    check_sizes(q.shape, k.shape, v.shape, varlen)
-
-
-def _no_keys(q, k, varlen: bool) -> bool:
+def _no_keys(problem: Problem) -> bool:
     """Query rows but no key at all: the kernels have no launch for it; every row sees no key."""
-    rows_q, rows_k = (q.shape[0], k.shape[0]) if varlen else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
-    return rows_k == 0 and rows_q > 0
+    return problem.total_k == 0 and problem.total_q > 0
 
 
-def _check_no_keys(direction, family, buffers, spec, softmax_scale, kw) -> None:
-    """Validate a call without keys as the core validates any other (its result is written here)."""
-    check_scale(softmax_scale)
-    check_attention(family, direction, buffers, spec.causal, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
-                    kw.get("max_seqlen_q"), kw.get("max_seqlen_k"), (spec.window_left, spec.window_right),
-                    allow_no_keys=True)
+def _check_buffers(plan, buffers: dict, cu_q=None, cu_q_k=None) -> None:
+    """The per-buffer checks (devices, strides, alignment) of a call no kernel launch will see: the core's
+    launchers make them in C, but a call without keys is answered here (out 0 / lse -inf, grads 0)."""
+    views = {n: as_tensor(t, n) for n, t in buffers.items()}
+    if cu_q is not None:
+        views.update(cu_seqlens_q=as_tensor(cu_q, "cu_seqlens_q"), cu_seqlens_k=as_tensor(cu_q_k, "cu_seqlens_k"))
+    check_buffers(*plan, views)
 
 
 def _fwd_shapes(q, v, varlen):
@@ -100,42 +105,40 @@ def _fwd_shapes(q, v, varlen):
     return (*q.shape[:-1], v.shape[-1]), lse
 
 
-_FWD_PLANS: dict = {}  # (shapes, dtype, family, mask, varlen) -> what forward_impl derives from them alone
-_MAX_PLANS = 4096
+_FWD_PLANS: dict = {}  # (spec, problem) -> what forward_impl derives from them alone
 
 
-def _fwd_plan(q, k, v, family, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k):
-    """``(spec, no_keys, fills, out_shape, lse_shape)`` of a forward: the shape checks and the launcher spec,
-    which depend on shapes, dtype and flags only, so they run once per signature (decode calls repeat one)."""
-    varlen = cu_seqlens_q is not None
-    key = (q.shape, k.shape, v.shape, q.dtype, family, causal, window_left, window_right, varlen,
-           cu_seqlens_k is not None)
-    plan = _FWD_PLANS.get(key)
-    if plan is None:
-        _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        spec = _spec("fwd", family, q, k, v, causal, window_left, window_right, varlen)
-        no_keys = _no_keys(q, k, varlen)  # every row sees no key: out 0, lse -inf
+def _fwd_plan(q, k, v, family, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k):
+    """``(plan, no_keys, fills, out_shape, lse_shape)`` of a forward, from the validated ``plan``."""
+    plan = _plan("fwd", family, q, k, v, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k)
+    derived = _FWD_PLANS.get(plan)
+    if derived is None:
+        spec, problem = plan
+        no_keys = _no_keys(problem)  # every row sees no key: out 0, lse -inf
         fills = {"out": 0.0, "lse": float("-inf")} if no_keys else spec.output_fill()
-        plan = (spec, no_keys, fills, *_fwd_shapes(q, v, varlen))
+        derived = (plan, no_keys, fills, *_fwd_shapes(q, v, spec.varlen))
         if len(_FWD_PLANS) >= _MAX_PLANS:
             _FWD_PLANS.clear()
-        _FWD_PLANS[key] = plan
-    return plan
+        _FWD_PLANS[plan] = derived
+    return derived
 
 
 def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k):
     """The body of :func:`fwd` (also called by :mod:`xattn.torch.ring` outside the dispatcher): allocates
     and returns ``(out, lse)`` in the layouts of the module docstring."""
-    spec, no_keys, fills, out_shape, lse_shape = _fwd_plan(q, k, v, family, causal, window_left, window_right,
-                                                           cu_seqlens_q, cu_seqlens_k)
+    plan, no_keys, fills, out_shape, lse_shape = _fwd_plan(q, k, v, family, causal, window_left, window_right,
+                                                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = check_scale(softmax_scale)
     out = _new(out_shape, q.dtype, q.device, fills.get("out"))
     lse = _new(lse_shape, torch.float32, q.device, fills.get("lse"))
-    kw = _kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    kw = _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if no_keys:
-        _check_no_keys("fwd", family, dict(q=q, k=k, v=v, out=out, lse=lse), spec, softmax_scale, kw)
+        _check_buffers(plan, dict(q=q, k=k, v=v, out=out, lse=lse), cu_seqlens_q, cu_seqlens_k)
     else:
-        _FWD[family](q, k, v, out, lse, **kw)
+        LAUNCH["fwd"](plan, q, k, v, out, lse, softmax_scale=scale, **kw)
     return out, lse
 
 
@@ -202,43 +205,40 @@ def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window
                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefetched=None):
     """The body of :func:`bwd`: returns ``(dq, dk, dv)`` from the given out/lse, on the route
     :func:`_bwd_route` picks; ``prefetched``: the forward's :class:`_LengthsCopy` of cu_seqlens."""
-    _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    varlen = cu_seqlens_q is not None
-    spec = _spec("bwd", family, q, k, v, causal, window_left, window_right, varlen)
+    plan = _plan("bwd", family, q, k, v, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+                 max_seqlen_q, max_seqlen_k)
+    spec, problem = plan
+    scale = check_scale(softmax_scale)
     if torch.are_deterministic_algorithms_enabled() and nondeterministic_op(spec) is not None:
         _alert_not_deterministic(nondeterministic_op(spec))  # raises, or warns under warn_only
     fills = spec.output_fill()
-    no_rows = q.numel() == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
-    no_keys = _no_keys(q, k, varlen)  # no launch either: dq is 0 (dk, dv are empty)
+    no_rows = problem.total_q == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
+    no_keys = _no_keys(problem)  # no launch either: dq is 0 (dk, dv are empty)
     if not (no_rows or no_keys):
         choice, lengths = _bwd_route(spec, k, cu_seqlens_q, cu_seqlens_k, prefetched)
         if choice.route == "gemm":
-            return _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths,
+            return _gemm_bwd(plan, dout, q, k, v, out, lse, scale, lengths,
                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows or no_keys else fills.get(n))
              for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
     if no_keys:
-        _check_no_keys("bwd", family, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=grads[0], dk=grads[1],
-                                           dv=grads[2]), spec, softmax_scale,
-                       _kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        _check_buffers(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=grads[0], dk=grads[1],
+                                  dv=grads[2]), cu_seqlens_q, cu_seqlens_k)
         return tuple(grads)
-    _launch_bwd(spec, family, grads, dout, q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k)
+    _launch_bwd(plan, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return tuple(grads)
 
 
-def _launch_bwd(spec, family, grads, dout, q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k) -> None:
+def _launch_bwd(plan, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k) -> None:
     """The family's fused backward kernel into ``grads`` (dq, dk, dv), with its fp32 workspace."""
-    if cu_seqlens_q is not None:
-        sizes = (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
-    else:
-        sizes = (q.shape[0], q.shape[1], k.shape[1], q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
-    layout = bwd_workspace_shapes(spec, *sizes, q.shape[-2], k.shape[-2])
+    spec, p = plan
+    layout = bwd_workspace_shapes(spec, p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k, p.heads_q,
+                                  p.heads_kv)
     check_layout_sizes(layout)  # before allocating it
     ws = [_new(shape, torch.float32, q.device, fill) for _, shape, _, fill in layout]
-    _BWD[family](dout, q, k, v, out, lse, *grads, workspace=ws,
-                 **_kw(spec, family, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    LAUNCH["bwd"](plan, dout, q, k, v, out, lse, *grads, workspace=ws, softmax_scale=scale,
+                  **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefetched=None):
@@ -267,15 +267,15 @@ def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefe
     return choice, lengths
 
 
-def _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths=None, varlen_args=(None,) * 4):
-    """The chunked-GEMM backward (:mod:`xattn.torch.gemm_bwd`), after the core's input checks
-    (q, k, v stand in for the dq, dk, dv it allocates itself); a packed batch passes its (query, key)
-    document ``lengths`` and ``varlen_args`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+def _gemm_bwd(plan, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(None,) * 4):
+    """The chunked-GEMM backward (:mod:`xattn.torch.gemm_bwd`) of a validated ``plan``, after the per-buffer
+    checks the core's launchers would make (q, k, v stand in for the dq, dk, dv it allocates itself); a
+    packed batch passes its (query, key) document ``lengths`` and ``varlen_args`` = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     from .gemm_bwd import gemm_backward, gemm_backward_varlen
 
-    check_attention(family, "bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), causal,
-                    *varlen_args)
-    scale = check_scale(softmax_scale)
+    _check_buffers(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), *varlen_args[:2])
+    causal = plan[0].causal
     if lengths is None:
         return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
     groups = _gemm_route.varlen_groups(*lengths, q.shape[1])
@@ -285,7 +285,7 @@ def _gemm_bwd(dout, q, k, v, out, lse, family, softmax_scale, causal, lengths=No
     if short:
         _log.debug("xattn backward route gemm: %d of %d documents (groups under the table's key count) on "
                    "the fused varlen backward", len(short), len(lengths[0]))
-        _ffpa_documents_bwd(grads, short, lengths, dout, q, k, v, out, lse, family, softmax_scale, causal)
+        _ffpa_documents_bwd(grads, short, lengths, dout, q, k, v, out, lse, plan[0].family, scale, causal)
     return grads
 
 
@@ -308,11 +308,11 @@ def _ffpa_documents_bwd(grads, docs, lengths, dout, q, k, v, out, lse, family, s
     sub_cu_q, sub_cu_k = (x.to(torch.int32) for x in (table[tq + tk:tq + tk + nc], table[tq + tk + nc:]))
     pick_q, pick_k = (lambda x: x.index_select(0, idx_q)), (lambda x: x.index_select(0, idx_k))
     sub = (pick_q(dout), pick_q(q), pick_k(k), pick_k(v), pick_q(out), lse.index_select(1, idx_q))
-    spec = _spec("bwd", family, sub[1], sub[2], sub[3], causal, -1, -1, True)
-    fills = spec.output_fill()
+    max_q, max_k = max(lengths[0][i] for i in docs), max(lengths[1][i] for i in docs)
+    plan = _plan("bwd", family, sub[1], sub[2], sub[3], causal, -1, -1, sub_cu_q, sub_cu_k, max_q, max_k)
+    fills = plan[0].output_fill()
     sub_grads = [_new(t.shape, t.dtype, t.device, fills.get(n)) for t, n in zip(sub[1:4], ("dq", "dk", "dv"))]
-    _launch_bwd(spec, family, sub_grads, *sub, softmax_scale, sub_cu_q, sub_cu_k, max(lengths[0][i] for i in docs),
-                max(lengths[1][i] for i in docs))
+    _launch_bwd(plan, sub_grads, *sub, softmax_scale, sub_cu_q, sub_cu_k, max_q, max_k)
     for grad, idx, part in zip(grads, (idx_q, idx_k, idx_k), sub_grads):
         grad.index_copy_(0, idx, part)
 
