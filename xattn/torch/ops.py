@@ -26,7 +26,7 @@ from torch import Tensor
 
 import xattn.core as xc
 from xattn.core.checks import check_attention, check_layout_sizes, check_scale, check_sizes
-from xattn.core import gemm_bwd as _gemm_route
+from xattn.core import gemm_bwd_plan as _gemm_route
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 
