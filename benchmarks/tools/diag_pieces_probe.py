@@ -1,6 +1,6 @@
 """The causal diagonal of the chunked-GEMM backward (issue #23 item 3): backward time per block plan.
 
-Each causal block is cut into ``pieces`` along its diagonal (``xattn.core.gemm_bwd.plan``); dK/dV
+Each causal block is cut into ``pieces`` along its diagonal (``xattn.core.gemm_bwd_plan.plan``); dK/dV
 follow the pieces' key ranges (``split_acc``) or take zeroed P/dS whole; ``tiles`` picks the tile of
 GEMM kinds (the N = D ones: dK/dV, dq; the P / dS ones). Prints backward ms and TFLOP/s (2.5x the causal forward FLOPs)
 for each (rows, pieces, split_acc, tile), d512 bf16, one GPU. (A variant with the dq GEMMs on a side

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tvm_ffi
 
-from xattn.core import cache, disk_cache
+from xattn.core import cache, cache_link, cache_trust, disk_cache
 from xattn.core.spec import KernelSpec
 
 # FA4 d64 forward: the quickest launcher to compile (~2 s on one core).
@@ -77,7 +77,7 @@ def test_export_load_round_trip(cache_dir):
 def _rewrite_meta(obj: Path, with_library: bool) -> None:
     """Record the entry's files in its .json as the machine that wrote them would have."""
     meta = json.loads(obj.with_suffix(".json").read_text())
-    files = {s: disk_cache._file_record(obj.with_suffix(s).read_bytes()) for s in (".o", ".so")[: 1 + with_library]}
+    files = {s: cache_trust.file_record(obj.with_suffix(s).read_bytes()) for s in (".o", ".so")[: 1 + with_library]}
     obj.with_suffix(".json").write_text(json.dumps(dict(meta, files=files, shared_library=with_library)))
 
 
@@ -129,7 +129,7 @@ def test_corrupt_shared_library_is_relinked_from_the_object(cache_dir):
 def test_entry_from_another_machine_loads_without_its_rpath(cache_dir):
     """A cache filled on a login node links the runtime by a path that does not exist here."""
     so = _compiled_shared_library(cache_dir)
-    assert disk_cache._link_shared(str(so.with_suffix(".o")), str(so), rpath=False)
+    assert cache_link.link_shared(str(so.with_suffix(".o")), str(so), rpath=False)
     _rewrite_meta(so.with_suffix(".o"), with_library=True)
     linked = so.read_bytes()
     out = _in_new_process(LOAD_IN_NEW_PROCESS, cache_dir)
@@ -165,7 +165,7 @@ class _SlowExport:
 
 
 def test_concurrent_writers_threads_leave_one_whole_entry(cache_dir, monkeypatch):
-    monkeypatch.setattr(disk_cache, "_link_shared", lambda obj, out: False)
+    monkeypatch.setattr(cache_link, "link_shared", lambda obj, out: False)
     tags = [bytes([65 + i]) for i in range(8)]
     threads = [threading.Thread(target=disk_cache.store, args=(SPEC, _SlowExport(t), 1.0)) for t in tags]
     for t in threads:
@@ -210,7 +210,7 @@ def test_lock_timeout_falls_back_to_compiling_unlocked(cache_dir):
 @pytest.mark.parametrize("setting, writes", [("0", False), ("1", True)])
 def test_cache_switch(cache_dir, monkeypatch, setting, writes):
     monkeypatch.setenv("XATTN_CACHE", setting)
-    monkeypatch.setattr(disk_cache, "_link_shared", lambda obj, out: False)
+    monkeypatch.setattr(cache_link, "link_shared", lambda obj, out: False)
     monkeypatch.setattr(cache, "_default_compiler", lambda spec: _SlowExport(b"x"))
     entry = cache.get_launcher(SPEC)
     assert entry.source == "compiled"

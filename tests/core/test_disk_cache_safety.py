@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from xattn.core import cache, disk_cache
+from xattn.core import cache, cache_link, disk_cache
 from xattn.core.spec import KernelSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,14 +85,14 @@ def fake_link(obj: str, out: str, rpath: bool = True) -> bool:
     return True
 
 
-FAKES = dict(_open_shared=fake_open, _open_object=fake_open, _link_shared=fake_link, _preload_runtime=lambda: None)
+FAKES = dict(open_shared=fake_open, open_object=fake_open, link_shared=fake_link, preload_runtime=lambda: None)
 
 
 def install_fakes(setattr_=setattr) -> None:
     """Replace compile/link/load by the fakes (also called by the race test's subprocesses)."""
     setattr_(cache, "_default_compiler", fake_compile)
     for name, fn in FAKES.items():
-        setattr_(disk_cache, name, fn)
+        setattr_(cache_link, name, fn)
 
 
 @pytest.fixture
@@ -343,7 +343,7 @@ def test_damaged_entry_is_rebuilt_with_a_warning(kc, caplog, suffix, damage, reb
 def test_library_that_fails_to_load_falls_back_to_the_object(kc, caplog, monkeypatch):
     """A verified .so that dlopen refuses (and cannot be relinked here) still leaves a working entry."""
     cache.get_launcher(SPEC)
-    monkeypatch.setattr(disk_cache, "_open_shared", lambda path: (_ for _ in ()).throw(OSError("undefined symbol")))
+    monkeypatch.setattr(cache_link, "open_shared", lambda path: (_ for _ in ()).throw(OSError("undefined symbol")))
     with caplog.at_level(logging.WARNING, logger="xattn"):
         again = fresh()
     assert again.source == "disk" and again.function == payload(SPEC)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from xattn.core import gemm_bwd as gb
+from xattn.core import gemm_bwd_plan as gb
 
 
 def test_route_table_follows_the_measurements(monkeypatch):

@@ -150,7 +150,7 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
     padded GEMM route; different cu_seqlens objects (causal) or a loose max_seqlen keep FFPA's."""
     import logging
 
-    from xattn.core import gemm_bwd as route_table
+    from xattn.core import gemm_bwd_plan as route_table
     from xattn.jax import varlen as jv
 
     monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
@@ -182,7 +182,7 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
 def test_varlen_attention_grads_on_the_padded_route(standin, monkeypatch):
     """jax.grad through xattn.jax.varlen_attention (kernel backend, stand-ins): the padded GEMM route is
     taken and its gradients match FFPA's varlen backward route's."""
-    from xattn.core import gemm_bwd as route_table
+    from xattn.core import gemm_bwd_plan as route_table
     import xattn.jax as xj
 
     from xattn.jax import varlen as jv

@@ -103,9 +103,9 @@ def test_gemm_backward_is_bitwise_reproducible(monkeypatch):
 @pytest.mark.parametrize("b, g, layout", [(1, 1, "bhnd"), (1, 4, "bnhd"), (2, 1, "bnhd"), (2, 8, "bhnd")])
 def test_gemm_backward_memory_within_the_documented_bound(monkeypatch, b, g, layout):
     """The backward's peak memory beyond its inputs and its dq/dk/dv stays within
-    xattn.core.gemm_bwd.workspace_bytes of the same shapes (measured after a warm-up call, so
+    xattn.core.gemm_bwd_plan.workspace_bytes of the same shapes (measured after a warm-up call, so
     cuBLAS's own workspace is already there)."""
-    from xattn.core.gemm_bwd import workspace_bytes
+    from xattn.core.gemm_bwd_plan import workspace_bytes
 
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "64")

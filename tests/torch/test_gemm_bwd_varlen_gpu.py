@@ -147,7 +147,7 @@ def test_default_route_through_autograd(monkeypatch):
 
 
 def test_varlen_memory_within_the_documented_bound(monkeypatch):
-    from xattn.core.gemm_bwd import varlen_workspace_bytes
+    from xattn.core.gemm_bwd_plan import varlen_workspace_bytes
 
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "64")
@@ -188,7 +188,7 @@ def test_auto_route_splits_short_documents_onto_ffpa(monkeypatch):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before - sum(x.untyped_storage().nbytes() for x in got)
     assert fused == [300 + 17 + 1000 + 1] * 2
-    from xattn.core.gemm_bwd import varlen_workspace_bytes
+    from xattn.core.gemm_bwd_plan import varlen_workspace_bytes
 
     assert 0 < extra <= varlen_workspace_bytes(lens, lens, 8, 1, 512, True), extra
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")

@@ -59,14 +59,16 @@ miss); the look under the compile lock reports flaws, and only the lock's holder
 (removes, relinks) an entry. Lock files are created ``0600`` inside the private directory
 and opened read-only (``flock`` needs no write access), so no other user can take, fake or
 bypass them.
+
+**Modules.** This one stores, loads, lists and clears entries; the trust checks and the
+directory's write state are :mod:`xattn.core.cache_trust`, the locks
+:mod:`xattn.core.cache_lock`, the ``.so`` linking and the loaders :mod:`xattn.core.cache_link`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import fcntl
 import functools
 import hashlib
 import itertools
@@ -75,30 +77,23 @@ import logging
 import os
 import platform
 import re
-import shutil
 import stat
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from . import cache_link, cache_lock
+from .cache_trust import (Unusable, check_file, file_record, first_line, read_checked, stop_writing, unwritable,
+                          usable_dir, writes_off)
 from .spec import KernelSpec
 
 __all__ = ["enabled", "cache_dir", "entry_stem", "load", "store", "compile_lock", "entries", "clear"]
 
 log = logging.getLogger("xattn")
-EXPORT_NAME = "xattn_launcher"
-_LAUNCHER_SOURCES = ("symbolic.py", "ffpa_sm90.py", "fa4_sm90.py", "disk_cache.py")
+# What the entry names' digest fingerprints: the launcher sources and the cache's own code.
+_LAUNCHER_SOURCES = ("symbolic.py", "ffpa_sm90.py", "fa4_sm90.py",
+                     "disk_cache.py", "cache_trust.py", "cache_lock.py", "cache_link.py")
 _FORMAT = 1  # of the .json sidecar
-# Errors that mean "this directory takes no more writes": stop writing there, warn once.
-_UNWRITABLE = {errno.EROFS: "read-only", errno.EACCES: "not writable", errno.EPERM: "not writable",
-               errno.ENOSPC: "full", errno.EDQUOT: "over its disk quota"}
-_ENTRY_LOCK_TIMEOUT = 60.0  # commit/check sections last milliseconds; a stuck holder is skipped
-
-_state_lock = threading.Lock()
-_no_writes: set[str] = set()  # directories this process stopped writing to
-_warned: set[tuple] = set()
 _serial = itertools.count()  # temporaries: unique per process and thread
 
 
@@ -131,236 +126,22 @@ def entry_stem(spec: KernelSpec) -> str:
     return f"{spec.short_name()}-{hashlib.sha256(ident.encode()).hexdigest()[:20]}"
 
 
-# ----------------------------------------------------------------------------- trust and state
-
-
-def _warn_once(key: tuple, msg: str, *args) -> None:
-    with _state_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    log.warning(msg, *args)
-
-
-def _untrusted(st: os.stat_result) -> str | None:
-    """Why a file or directory with this status could hold someone else's code, or None."""
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        return f"owned by uid {st.st_uid}, not by you (uid {me}) or root"
-    if st.st_mode & 0o022:
-        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):03o})"
-    return None
-
-
-def _writes_off(directory: Path) -> bool:
-    return str(directory) in _no_writes
-
-
-def _unwritable(exc: BaseException) -> int | None:
-    """The errno if ``exc`` (or what caused it) says the directory takes no more writes."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in _UNWRITABLE:
-            return exc.errno
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _stop_writing(directory: Path, exc: BaseException, what: str = "") -> None:
-    code = _unwritable(exc)
-    state = _UNWRITABLE[code] if code is not None else "unusable for writing"
-    detail = f"{what}: {_first_line(exc) or type(exc).__name__}" if what else _first_line(exc) or type(exc).__name__
-    with _state_lock:
-        _no_writes.add(str(directory))
-    _warn_once(("no-writes", str(directory)),
-               "xattn: kernel cache directory %s is %s (%s); kernels compiled from now on stay in memory "
-               "for this process (existing entries still load)", directory, state, detail)
-
-
-def _make_private_dir(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-
-
-def _usable_dir(create: bool) -> Path | None:
-    """The cache directory if entries may be loaded from it (and, with ``create``, written to it).
-
-    ``None`` when it is missing (and not created) or not trusted (warned once)."""
-    directory = cache_dir()
-    if create and not _writes_off(directory):
-        try:
-            _make_private_dir(directory)
-        except OSError as exc:
-            _stop_writing(directory, exc, "cannot create it")
-    try:
-        problem = _dir_problem(directory)
-    except FileNotFoundError:
-        return None
-    if problem:
-        _warn_once(("untrusted", str(directory)),
-                   "xattn: not using kernel cache directory %s: %s. Kernels are compiled in memory for this "
-                   "process; make it private (chmod 700, owned by you) or point XATTN_CACHE_DIR elsewhere",
-                   directory, problem)
-        return None
-    return directory
-
-
-def _dir_problem(directory: Path) -> str | None:
-    try:
-        st = os.stat(directory)
-    except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise  # a plain miss
-        return f"cannot stat it ({exc.strerror})"
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a directory"
-    if st.st_mode & 0o077 and st.st_uid == os.geteuid() and not os.environ.get("XATTN_CACHE_DIR"):
-        with contextlib.suppress(OSError):  # the default directory is xattn's own: make it private
-            os.chmod(directory, 0o700)
-            log.info("xattn: made the kernel cache directory %s private (was %03o)", directory, st.st_mode & 0o777)
-            st = os.stat(directory)
-    return _untrusted(st)
-
-
-def _flock(fd: int, op: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-
-
-def _open_lock(path: Path, create: bool) -> int:
-    # O_RDONLY is enough for flock; 0600 in a 0700 directory: only this user takes these locks.
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-    return os.open(path, flags, 0o600)
-
-
-@contextlib.contextmanager
-def _entry_lock(stem: Path, exclusive: bool):
-    """Short per-key lock around committing/removing (exclusive) or checking+loading (shared) files."""
-    path = stem.parent / ".locks" / f"{stem.name}.entry.lock"
-    writable = not _writes_off(stem.parent)
-    try:
-        if writable:
-            with contextlib.suppress(OSError):
-                _make_private_dir(path.parent)
-        fd = _open_lock(path, create=writable)
-    except OSError:
-        # No lock file in a directory that takes no writes: there is no writer to exclude.
-        yield
-        return
-    try:
-        if not _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, _ENTRY_LOCK_TIMEOUT):
-            log.warning("xattn: %s held for %.0f s; going on without it", path.name, _ENTRY_LOCK_TIMEOUT)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
-
-
-# ----------------------------------------------------------------------------- checking entries
-
-
-class _Unusable(Exception):
-    """An entry file that must not be loaded; the message says why."""
-
-
-def _read_checked(path: Path) -> bytes:
-    """The bytes of an entry file after the trust checks on its open descriptor."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO must not block)
-    except FileNotFoundError:
-        raise _Unusable(f"{path.suffix} missing") from None
-    except OSError as exc:
-        why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be read ({exc.strerror})"
-        raise _Unusable(f"{path.suffix} {why}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise _Unusable(f"{path.suffix} is not a regular file")
-        problem = _untrusted(st)
-        if problem:
-            raise _Unusable(f"{path.suffix} is {problem}")
-        return f.read()
-
-
-def _file_record(data: bytes) -> dict:
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _check_file(path: Path, record) -> bytes:
-    data = _read_checked(path)
-    record = record if isinstance(record, dict) else {}
-    if record.get("bytes") != len(data):
-        raise _Unusable(f"{path.suffix} has {len(data)} bytes, its .json says {record.get('bytes')}")
-    if record.get("sha256") != hashlib.sha256(data).hexdigest():
-        raise _Unusable(f"{path.suffix} does not match the SHA-256 in its .json")
-    return data
+# ----------------------------------------------------------------------------- loading
 
 
 def _check_meta(stem: Path, spec: KernelSpec) -> dict:
     try:
-        meta = json.loads(_read_checked(stem.with_suffix(".json")))
+        meta = json.loads(read_checked(stem.with_suffix(".json")))
     except ValueError as exc:
-        raise _Unusable(f".json unreadable ({exc})") from None
+        raise Unusable(f".json unreadable ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise _Unusable(".json is not in this cache's format")
+        raise Unusable(".json is not in this cache's format")
     if meta.get("stem") != stem.name or meta.get("spec") != json.loads(json.dumps(_spec_dict(spec))):
-        raise _Unusable(".json describes another kernel")
+        raise Unusable(".json describes another kernel")
     files = meta.get("files")
     if not isinstance(files, dict) or ".o" not in files or not set(files) <= {".o", ".so"}:
-        raise _Unusable(".json lists no object file")
+        raise Unusable(".json lists no object file")
     return meta
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def _open_shared(path: str):
-    """``(module, function)`` of a verified ``.so`` entry (tests replace it)."""
-    import tvm_ffi
-
-    module = tvm_ffi.load_module(path)
-    return module, module[EXPORT_NAME]
-
-
-def _open_object(path: str):
-    """``(module, function)`` of a verified ``.o`` entry, through cutlass (tests replace it)."""
-    _preload_runtime()
-    import cutlass.cute as cute
-
-    module = cute.runtime.load_module(path, enable_tvm_ffi=True)
-    return module, getattr(module, EXPORT_NAME)
-
-
-@functools.cache
-def _preload_runtime() -> None:
-    # Exported objects reference symbols of the CuTeDSL runtime libraries; make them globally
-    # visible before dlopen-ing an entry in a process that has compiled nothing yet.
-    import cutlass.cute as cute
-
-    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
-        if Path(lib).exists():
-            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-
-
-def _load_shared(lib: Path):
-    """``(module, function)`` from a verified ``.so``, preloading the runtime if its rpath is foreign; else None."""
-    for attempt in ("as is", "runtime preloaded"):
-        try:
-            if attempt == "runtime preloaded":
-                _preload_runtime()
-            hit = _open_shared(str(lib))
-            if attempt != "as is":
-                log.info("xattn: cache entry %s loaded (%s)", lib.stem, attempt)
-            return hit
-        except Exception as exc:  # noqa: BLE001 - the next attempt, then the .o, decide
-            log.info("xattn: %s did not load %s (%s)", lib.name, attempt, _first_line(exc))
-    return None
 
 
 def load(spec: KernelSpec, *, report: bool = False, repair: bool = False):
@@ -371,11 +152,11 @@ def load(spec: KernelSpec, *, report: bool = False, repair: bool = False):
     the holder of the compile lock) it is removed, or its ``.so`` relinked from the verified
     ``.o``. The ``.so`` form is tried first (no cutlass import); an entry filled on another
     machine, whose runtime rpath does not exist here, loads once the runtime is preloaded."""
-    directory = _usable_dir(create=False)
+    directory = usable_dir(cache_dir(), create=False)
     if directory is None:
         return None
     stem = directory / entry_stem(spec)
-    with _entry_lock(stem, exclusive=False):
+    with cache_lock.entry_lock(stem, exclusive=False):
         hit, problem, good_object = _load_checked(stem, spec, object_fallback=report and not repair)
     if hit is not None or problem is None or not report:
         return hit
@@ -383,7 +164,7 @@ def load(spec: KernelSpec, *, report: bool = False, repair: bool = False):
         log.warning("xattn: cache entry %s is unusable (%s); relinking it from its .o", stem.name, problem)
         return _relink(stem, *good_object) or load(spec, report=True)
     log.warning("xattn: cache entry %s is unusable (%s); recompiling it", stem.name, problem)
-    if repair and not _writes_off(directory):
+    if repair and not writes_off(directory):
         _remove(stem)
     return None
 
@@ -396,25 +177,25 @@ def _load_checked(stem: Path, spec: KernelSpec, object_fallback: bool):
         return None, None, None
     try:
         meta = _check_meta(stem, spec)
-        obj_data = _check_file(obj, meta["files"][".o"])
+        obj_data = check_file(obj, meta["files"][".o"])
         if ".so" not in meta["files"]:
-            return _open_object(str(obj)), None, None
+            return cache_link.open_object(str(obj)), None, None
         try:
-            _check_file(lib, meta["files"][".so"])
-            hit = _load_shared(lib)
+            check_file(lib, meta["files"][".so"])
+            hit = cache_link.load_shared(lib)
             problem = None if hit is not None else ".so does not load"
-        except _Unusable as exc:
+        except Unusable as exc:
             hit, problem = None, str(exc)
         if hit is not None:
             return hit, None, None
         if not object_fallback:
             return None, problem, (meta, obj_data)
         log.warning("xattn: cache entry %s is unusable (%s); loading its .o", stem.name, problem)
-        return _open_object(str(obj)), None, None
-    except _Unusable as exc:
+        return cache_link.open_object(str(obj)), None, None
+    except Unusable as exc:
         return None, str(exc), None
     except Exception as exc:  # noqa: BLE001 - a loader refused a verified file (say, a foreign build)
-        return None, f"{type(exc).__name__}: {_first_line(exc)}", None
+        return None, f"{type(exc).__name__}: {first_line(exc)}", None
 
 
 def _relink(stem: Path, meta: dict, obj_data: bytes):
@@ -423,57 +204,31 @@ def _relink(stem: Path, meta: dict, obj_data: bytes):
     tmp = _temporary(stem.parent, stem.name)
     try:
         _write_new(tmp + ".o", obj_data)
-        linked = _link_shared(tmp + ".o", tmp + ".so")
-        hit = _load_shared(Path(tmp + ".so")) if linked else None
-        files = {".o": _file_record(obj_data)}
+        linked = cache_link.link_shared(tmp + ".o", tmp + ".so")
+        hit = cache_link.load_shared(Path(tmp + ".so")) if linked else None
+        files = {".o": file_record(obj_data)}
         if hit is not None:
-            files[".so"] = _file_record(Path(tmp + ".so").read_bytes())
+            files[".so"] = file_record(Path(tmp + ".so").read_bytes())
         _write_new(tmp + ".json", json.dumps(dict(meta, files=files, shared_library=hit is not None), indent=1))
         _commit(stem, tmp, files)
         return hit
     except Exception as exc:  # noqa: BLE001 - the caller falls back to the .o
         _cleanup(tmp)
-        if _unwritable(exc) is not None:
-            _stop_writing(stem.parent, exc, "relinking")
+        if unwritable(exc) is not None:
+            stop_writing(stem.parent, exc, "relinking")
         else:
             log.warning("xattn: could not relink %s (%s)", stem.name, exc)
         return None
 
 
 def _remove(stem: Path) -> None:
-    with _entry_lock(stem, exclusive=True):
+    with cache_lock.entry_lock(stem, exclusive=True):
         for suffix in (".json", ".o", ".so"):  # the .json first: the entry stops existing at once
             with contextlib.suppress(OSError):
                 stem.with_suffix(suffix).unlink()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0][:200] if text else ""
-
-
 # ----------------------------------------------------------------------------- writing
-
-
-def _link_shared(obj: str, out: str, rpath: bool = True) -> bool:
-    """Link an exported object into a shared library against the CuTeDSL runtime (rpath set)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return False
-    import cutlass.cute as cute
-
-    runtime = [p for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False) if Path(p).exists()]
-    flags = []
-    for path in runtime:
-        d = os.path.dirname(path)
-        name = os.path.basename(path)[3:].split(".so")[0]  # libcute_dsl_runtime.so -> cute_dsl_runtime
-        flags += [f"-L{d}", f"-l{name}"] + ([f"-Wl,-rpath,{d}"] if rpath else [])
-    try:
-        subprocess.run([cc, "-shared", "-o", out, obj, *flags], check=True, capture_output=True, timeout=120)
-        return True
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("xattn: no shared-library form of %s (%s); the .o entry loads through cutlass", obj, exc)
-        return False
 
 
 def _temporary(directory: Path, stem: str) -> str:
@@ -491,7 +246,7 @@ def _commit(stem: Path, tmp: str, files: dict) -> None:
     """Rename the temporaries into place, the ``.json`` last, under the exclusive entry lock."""
     for suffix in (*files, ".json"):
         os.chmod(tmp + suffix, stat.S_IMODE(os.stat(tmp + suffix).st_mode) & ~0o022)  # e.g. umask 002
-    with _entry_lock(stem, exclusive=True):
+    with cache_lock.entry_lock(stem, exclusive=True):
         if ".so" not in files:
             with contextlib.suppress(FileNotFoundError):
                 stem.with_suffix(".so").unlink()
@@ -510,16 +265,16 @@ def store(spec: KernelSpec, compiled, compile_seconds: float) -> Path | None:
     export = getattr(compiled, "export_to_c", None)
     if export is None:
         return None
-    directory = _usable_dir(create=True)
-    if directory is None or _writes_off(directory):
+    directory = usable_dir(cache_dir(), create=True)
+    if directory is None or writes_off(directory):
         return None
     stem = entry_stem(spec)
     tmp = _temporary(directory, stem)
     try:
-        export(tmp + ".o", function_name=EXPORT_NAME)
-        files = {".o": _file_record(Path(tmp + ".o").read_bytes())}
-        if _link_shared(tmp + ".o", tmp + ".so"):
-            files[".so"] = _file_record(Path(tmp + ".so").read_bytes())
+        export(tmp + ".o", function_name=cache_link.EXPORT_NAME)
+        files = {".o": file_record(Path(tmp + ".o").read_bytes())}
+        if cache_link.link_shared(tmp + ".o", tmp + ".so"):
+            files[".so"] = file_record(Path(tmp + ".so").read_bytes())
         meta = dict(format=_FORMAT, stem=stem, spec=_spec_dict(spec), files=files,
                     compile_seconds=round(compile_seconds, 2), created=time.strftime("%Y-%m-%dT%H:%M:%S"),
                     python=platform.python_version(), machine=platform.machine(), pid=os.getpid(),
@@ -529,12 +284,12 @@ def store(spec: KernelSpec, compiled, compile_seconds: float) -> Path | None:
         return directory / f"{stem}.o"
     except Exception as exc:  # noqa: BLE001 - a failed export never fails the call: the kernel runs from memory
         _cleanup(tmp)
-        if _unwritable(exc) is not None:
-            _stop_writing(directory, exc)
+        if unwritable(exc) is not None:
+            stop_writing(directory, exc)
         elif _full(directory):
-            _stop_writing(directory, OSError(errno.ENOSPC, f"{type(exc).__name__}: {_first_line(exc)}"))
+            stop_writing(directory, OSError(errno.ENOSPC, f"{type(exc).__name__}: {first_line(exc)}"))
         else:
-            log.warning("xattn: could not write cache entry %s (%s: %s)", stem, type(exc).__name__, _first_line(exc))
+            log.warning("xattn: could not write cache entry %s (%s: %s)", stem, type(exc).__name__, first_line(exc))
         return None
 
 
@@ -557,28 +312,12 @@ def compile_lock(spec: KernelSpec, timeout: float | None = None):
     """Exclusive cross-process lock for compiling ``spec``; yields True if held, False if not
     (timed out, or the directory is untrusted or takes no writes)."""
     timeout = float(os.environ.get("XATTN_CACHE_LOCK_TIMEOUT", 600)) if timeout is None else timeout
-    directory = _usable_dir(create=True)
-    if directory is None or _writes_off(directory):
+    directory = usable_dir(cache_dir(), create=True)
+    if directory is None or writes_off(directory):
         yield False
         return
-    path = directory / ".locks" / f"{entry_stem(spec)}.lock"
-    try:
-        _make_private_dir(path.parent)
-        fd = _open_lock(path, create=True)
-    except OSError as exc:
-        if _unwritable(exc) is not None:
-            _stop_writing(directory, exc, "no lock file")
-        else:
-            log.warning("xattn: no cache lock for %s (%s); compiling without it", path.name, exc)
-        yield False
-        return
-    try:
-        held = _flock(fd, fcntl.LOCK_EX, timeout)
-        if not held:
-            log.warning("xattn: no lock on %s within %.0f s; compiling without it", path.name, timeout)
+    with cache_lock.compile_lock(directory / entry_stem(spec), timeout) as held:
         yield held
-    finally:
-        os.close(fd)  # releases the flock
 
 
 # ----------------------------------------------------------------------------- listing, clearing

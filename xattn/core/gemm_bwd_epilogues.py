@@ -1,4 +1,4 @@
-"""quack GEMM epilogues of the chunked-GEMM backward (:mod:`xattn.core.gemm_bwd`).
+"""quack GEMM epilogues of the chunked-GEMM backward (:mod:`xattn.core.gemm_bwd_plan`).
 
 Each is a quack ``@gemm_epilogue`` function over the fp32 accumulator, fused into a quack sm90
 GEMM: no elementwise pass over the scores ever touches global memory on its own. They are

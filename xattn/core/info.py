@@ -62,10 +62,10 @@ def collect() -> dict:
 
 
 def _bwd_routes() -> list[str]:
-    from . import gemm_bwd
+    from . import gemm_bwd_plan
 
     try:
-        return gemm_bwd.route_table()
+        return gemm_bwd_plan.route_table()
     except ValueError as e:  # a bad XATTN_BWD_ROUTE / budget: say so instead of failing info
         return [str(e)]
 

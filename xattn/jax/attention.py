@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
-from xattn.core import gemm_bwd as _gemm_route
+from xattn.core import gemm_bwd_plan as _gemm_route
 from xattn.core.checks import Meta, Problem, check_layout_sizes, check_scale, validate
 from xattn.core.spec import KernelSpec, canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes

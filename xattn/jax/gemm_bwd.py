@@ -1,4 +1,4 @@
-"""JAX driver of the chunked-GEMM backward (see :mod:`xattn.core.gemm_bwd` for the math).
+"""JAX driver of the chunked-GEMM backward (see :mod:`xattn.core.gemm_bwd_plan` for the math).
 
 The layout glue is jnp (XLA fuses it); the GEMMs are the core's fixed-signature quack launchers
 (:mod:`xattn.core.gemm_sm90`) as XLA FFI custom calls, one block at a time. Every block spans
@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from xattn.core import gemm_bwd as plan_mod
+from xattn.core import gemm_bwd_plan as plan_mod
 from xattn.core.gemm_sm90 import GemmSpec, max_active_clusters
 
 from . import _ffi

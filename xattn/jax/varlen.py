@@ -39,7 +39,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 
-from xattn.core import gemm_bwd as _gemm_route
+from xattn.core import gemm_bwd_plan as _gemm_route
 from xattn.core import varlen_check as vc
 from xattn.core.spec import canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes

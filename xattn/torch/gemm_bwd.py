@@ -1,4 +1,4 @@
-"""Torch driver of the chunked-GEMM backward (see :mod:`xattn.core.gemm_bwd` for the math).
+"""Torch driver of the chunked-GEMM backward (see :mod:`xattn.core.gemm_bwd_plan` for the math).
 
 :func:`gemm_backward` takes dense ``[B, N, H, D]`` tensors and returns ``(dq, dk, dv)``, contiguous,
 in q's dtype. The layout glue (query rows of a KV head's query heads stacked per block, δ,
@@ -8,7 +8,7 @@ on torch's current stream with torch views: whole K/V and whole fp32 dK/dV accum
 launchers read the block's prefix in place), P/dS as ``kend``-wide views of one block buffer,
 and the last block writes dk/dv straight into their ``[B, Nk, Hkv, D]`` layout. With B == 1,
 K/V are read in place, and without GQA so are q/dout and dq is written in place (no copies).
-Scratch: :func:`xattn.core.gemm_bwd.workspace_bytes`.
+Scratch: :func:`xattn.core.gemm_bwd_plan.workspace_bytes`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from xattn.core import gemm_bwd as plan_mod
+from xattn.core import gemm_bwd_plan as plan_mod
 
 __all__ = ["gemm_backward", "gemm_backward_varlen", "CoreGemms"]
 
@@ -133,7 +133,7 @@ def _vec_to_blocks(x: Tensor, hkv: int, rows: int, padded: int, fill: float) -> 
 
 def _delta(dout: Tensor, out: Tensor) -> Tensor:
     """``rowsum(dO ⊙ O)`` in fp32, ``[B, Hq, N]``, in slices of query rows whose temporaries stay
-    within :data:`xattn.core.gemm_bwd.DELTA_SLICE_BYTES`.
+    within :data:`xattn.core.gemm_bwd_plan.DELTA_SLICE_BYTES`.
 
     CUDA: per query row one ``dO[b, n] · O[b, n]ᵀ`` (Hq x D x Hq, a batched GEMM with fp32 output),
     whose diagonal is δ: one read of dO and O, no fp32 copies of them. Elsewhere: fp32 products."""
@@ -254,7 +254,7 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
     Causal is bottom-right aligned. ``gemms`` defaults to :class:`CoreGemms` on q's GPU; ``rows``
     overrides the block rows that the budget (``XATTN_GEMM_BWD_BUDGET_MIB``) gives, ``pieces`` the
-    diagonal pieces of a causal block (:func:`xattn.core.gemm_bwd.plan`), ``split_acc`` how dK/dV
+    diagonal pieces of a causal block (:func:`xattn.core.gemm_bwd_plan.plan`), ``split_acc`` how dK/dV
     follow them (:func:`_run_blocks`).
     """
     B, Nq, Hq, D = q.shape
@@ -323,7 +323,7 @@ def gemm_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     likewise (host ints; causal bottom-right within each document). Returns dq ``[Tq, Hq, D]``,
     dk/dv ``[Tk, Hkv, D]`` (0 on rows and keys outside every document).
 
-    Documents run in :func:`xattn.core.gemm_bwd.varlen_groups` (``groups`` overrides them): each
+    Documents run in :func:`xattn.core.gemm_bwd_plan.varlen_groups` (``groups`` overrides them): each
     group is gathered into the blocked layout of :func:`gemm_backward` (one ``index_select`` per
     operand, padding rows masked by position and ``−inf`` row bias), runs the same blocks, and is
     scattered back (padding goes to one spare row that is dropped). ``rows``, ``pieces``,

@@ -26,7 +26,7 @@ from torch import Tensor
 import xattn.core as xc
 from xattn.core.api import launch_bwd, launch_fwd
 from xattn.core.checks import Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
-from xattn.core import gemm_bwd as _gemm_route
+from xattn.core import gemm_bwd_plan as _gemm_route
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 

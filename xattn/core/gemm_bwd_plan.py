@@ -1,4 +1,4 @@
-"""The chunked-GEMM backward for FFPA head dims (320-512): route choice, block plan, memory bound.
+"""Planner of the chunked-GEMM backward for FFPA head dims (320-512): route choice, block plan, memory bound.
 
 FFPA's fused backward holds dK, dV and dQ accumulators of a 512-wide head in one kernel and
 reaches ~230-250 TFLOP/s on the H200. This route runs the backward as large GEMMs instead,
@@ -27,13 +27,14 @@ whole). It measured slower on the H200, so the default keeps blocks whole.
 dS is formed from the fp32 P: with the 16-bit P the gradient error vs fp64 reached 1.86x FFPA's
 on the H200 (mean 1.13x), with the fp32 P it is 1.00x (mean 0.996x).
 
-This module is the framework-neutral part: which backward a problem gets (:func:`choose`),
+This module is the framework-neutral planner: which backward a problem gets (:func:`choose`),
 the blocks (:func:`plan`), the memory they take (:func:`workspace_bytes`) and, for packed
 (varlen) problems, the document groups (:func:`varlen_groups`): documents of similar length are
 padded to one length and run as one dense batch, so many short documents share each GEMM launch
 and no block ever straddles two documents (per-row positions mask the padding). The GEMMs are
-quack's sm90 CuTeDSL GEMMs with the epilogues of :mod:`xattn.core.gemm_bwd_epilogues`; the
-torch front end drives them (:mod:`xattn.torch.gemm_bwd`).
+quack's sm90 CuTeDSL GEMMs (:mod:`xattn.core.gemm_sm90`) with the epilogues of
+:mod:`xattn.core.gemm_bwd_epilogues`; the front ends' drivers run them (:mod:`xattn.torch.gemm_bwd`,
+:mod:`xattn.jax.gemm_bwd`).
 
 Environment: ``XATTN_BWD_ROUTE`` = ``auto`` (default: the measured table below) / ``ffpa`` /
 ``gemm`` (refuses a problem the route does not cover, never falls back silently);
