@@ -65,7 +65,7 @@ class Config:
     # XATTN_DETERMINISTIC / XLA_FLAGS as read when the call was made; part of the key of every trace
     # cache, so changing the mode retraces instead of reusing a backward traced under the old one
     deterministic: str = field(default_factory=deterministic_mode)
-    # XATTN_BWD_ROUTE and the block budget (xattn.core.gemm_bwd), read when the call was made: a change
+    # XATTN_BWD_ROUTE and the block budget (xattn.core.gemm_bwd_plan), read when the call was made: a change
     # retraces instead of reusing a backward traced with the old route
     bwd_route: tuple = field(default_factory=lambda: (_gemm_route.env_route(), _gemm_route.budget_bytes()))
     # the kernels' rules (dtype, head dims, sizes) apply whatever the backend; False only for

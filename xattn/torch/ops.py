@@ -242,7 +242,7 @@ def _launch_bwd(plan, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_se
 
 
 def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefetched=None):
-    """The backward this problem gets (:func:`xattn.core.gemm_bwd.choose`), logged at debug level, and
+    """The backward this problem gets (:func:`xattn.core.gemm_bwd_plan.choose`), logged at debug level, and
     for a packed batch the document lengths it was chosen on (host ints, read only where the GEMM
     backward covers the problem: from the forward's ``prefetched`` copy, else one device-to-host copy
     of cu_seqlens, which waits for the GPU), else None."""
