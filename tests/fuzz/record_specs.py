@@ -39,7 +39,7 @@ def main() -> None:
     from tests.torch import stubs
     from xattn.core.spec import KernelSpec, supports
     from xattn.jax import _ffi
-    from xattn.torch import ffpa_attention as fa
+    from xattn.torch.hf import support
     from xattn.torch import ops
 
     from . import space
@@ -54,7 +54,7 @@ def main() -> None:
     KernelSpec.__post_init__ = recording
     for fam in ("ffpa", "fa4"):
         ops._FWD[fam], ops._BWD[fam] = stubs._stub_fwd(fam), stubs._stub_bwd(fam)
-    fa.kernels_available = lambda: None
+    support.kernels_available = lambda: None
     _ffi.set_launcher_provider(numpy_launcher.provider)
     for front_end in space.FORM_FRONT_ENDS:
         t0, errors = time.perf_counter(), 0
