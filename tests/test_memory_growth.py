@@ -22,9 +22,9 @@ def test_mixed_calls_with_the_standins(monkeypatch):
     mg = _load()
     stubs.install(monkeypatch)
     try:
-        from xattn.torch import ffpa_attention as fa
+        from xattn.torch.hf import support
 
-        monkeypatch.setattr(fa, "kernels_available", lambda: None)  # the HF case runs on the stand-ins
+        monkeypatch.setattr(support, "kernels_available", lambda: None)  # the HF case runs on the stand-ins
     except ImportError:
         pass
     lines = []

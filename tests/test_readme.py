@@ -62,6 +62,6 @@ def test_torch_example_runs():
 
 def test_design_doc_lists_every_module():
     design = (ROOT / "docs" / "design.md").read_text()
-    for f in sorted((ROOT / "xattn").glob("*/*.py")):
+    for f in sorted([*(ROOT / "xattn").glob("*/*.py"), *(ROOT / "xattn").glob("*/*/*.py")]):  # packages too
         if f.name != "__init__.py":
             assert f"  {f.name} " in design, f"docs/design.md does not list {f.relative_to(ROOT)}"

@@ -8,7 +8,7 @@ Front ends (``Config.front_end``):
 * ``core-jax``: the same core calls with every read-only buffer a JAX array through DLPack (q, k, v,
   dout, out and lse of the backward, cu_seqlens) and torch outputs, passed as torch tensors or as raw
   ``tvm_ffi.Tensor`` views (the core refuses JAX arrays as outputs: they are immutable);
-* ``torch``: ``xattn.torch.attention_with_lse`` (or, for FA4, ``xattn.torch.fa4.flash_attn_func`` /
+* ``torch``: ``xattn.torch.attention_with_lse`` (or, for FA4, ``xattn.torch.fa4_interface.flash_attn_func`` /
   ``flash_attn_varlen_func``) with autograd;
 * ``jax``: ``xattn.jax.ffpa_attention`` / ``flash_attention`` / ``varlen_attention`` under ``jax.vjp``
   (eagerly or under ``jax.jit``), lse from ``ffpa_fwd`` / ``fa4_fwd`` / ``varlen_fwd``; the kernels, or
@@ -206,7 +206,7 @@ def run_torch(cfg: Config, inp: Inputs, device) -> dict:
     causal, window = _mask_args(cfg)
     loose = cfg.opt("max_seqlen") == "loose"
     if cfg.opt("entry") == "flash_attn_func":
-        from xattn.torch.fa4 import flash_attn_func, flash_attn_varlen_func
+        from xattn.torch.fa4_interface import flash_attn_func, flash_attn_varlen_func
 
         if cfg.varlen:  # loose: let the helper find the longest document itself (a host read)
             out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=inp.cu_q, cu_seqlens_k=inp.cu_k,

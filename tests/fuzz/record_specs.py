@@ -39,7 +39,7 @@ def main() -> None:
     from tests.torch import stubs
     from xattn.core.spec import KernelSpec, supports
     from xattn.jax import _ffi
-    from xattn.torch import ffpa_attention as fa
+    from xattn.torch.hf import support
 
     from . import space
     from .forms_harness import RUNNERS, _inputs
@@ -52,7 +52,7 @@ def main() -> None:
         seen.add(self)
     KernelSpec.__post_init__ = recording
     stubs.install_for_process()
-    fa.kernels_available = lambda: None
+    support.kernels_available = lambda: None
     _ffi.set_launcher_provider(numpy_launcher.provider)
     for front_end in space.FORM_FRONT_ENDS:
         t0, errors = time.perf_counter(), 0

@@ -31,7 +31,7 @@ DESCRIPTIONS = {
     "core": "xattn.core ffpa/fa4 fwd + bwd on torch buffers (drawn layouts, poisoned outputs, bwd_workspace)",
     "core-jax": "xattn.core with JAX arrays (DLPack) for q, k, v, dout, out/lse and cu_seqlens; torch outputs, "
                 "some as raw tvm_ffi.Tensor views",
-    "torch": "xattn.torch.attention_with_lse / xattn.torch.fa4.flash_attn(_varlen)_func + torch.autograd",
+    "torch": "xattn.torch.attention_with_lse / xattn.torch.fa4_interface.flash_attn(_varlen)_func + torch.autograd",
     "jax": "xattn.jax ffpa_attention / flash_attention / varlen_attention under jax.vjp (eager or jit)",
     "hf": "xattn.torch.ffpa_attention.ffpa_attention_forward (HF 'ffpa'): no mask, 2D masks of any width, 4D masks, "
           "the 'ffpa' factory's masks with cache offsets and padding; + torch.autograd",

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from tests.torch.test_hf_padding_widths import uniform_dead_rows_sdpa
-from xattn.torch import ffpa_attention as fa, hf_fallback
+from xattn.torch.hf import fallback, support
 
 from . import harness, space
 from .forms import draw_form
@@ -44,11 +44,11 @@ def _configs(name: str) -> list:
 
 @pytest.mark.parametrize("name", list(N))
 def test_cpu_slice_of_the_fuzz(name, standins, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     # SDPA as CUDA computes it (a nonzero average for rows with every key masked): the CPU's 0 there hid a
     # fallback that differed from the kernels until the H200 run found it
-    monkeypatch.setattr(hf_fallback, "get_sdpa", lambda: uniform_dead_rows_sdpa)
-    monkeypatch.setattr(fa, "_SDPA_FN", None)
+    monkeypatch.setattr(fallback, "get_sdpa", lambda: uniform_dead_rows_sdpa)
+    monkeypatch.setattr(fallback, "_SDPA_FN", None)
     collector = Collector(7, N[name], kernels="stand-in")
     failures = []
     for cfg in _configs(name):

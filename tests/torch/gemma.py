@@ -13,6 +13,7 @@ import torch
 
 from tests.reference import rel_err
 from xattn.torch import ffpa_attention as fa
+from xattn.torch.hf import routing
 
 
 def tiny_gemma4_config(hidden=64, layers=2, heads=4, kv_heads=2, vocab=64, sliding_window=4, layer_types=None):
@@ -38,14 +39,14 @@ def parity(monkeypatch, config_kwargs, ids, mask, device, dtype=torch.float16):
     masks the model really hands over; a fresh random ``dout``) -- sharp where the whole-model
     numbers are blurred by the model's own rounding;
     ``calls``: how often each model entered xattn's kernel path
-    (``xattn.torch.ffpa_attention.attention``)."""
+    (``xattn.torch.hf.routing.attention``)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     fa.register_ffpa_attention()
     calls = {"truth": 0, "sdpa": 0, "ffpa": 0, "layer check": 0}
     current = []
     layers = []
-    kernel_call, ffpa_forward = fa.attention, fa.ffpa_attention_forward
+    kernel_call, ffpa_forward = routing.attention, fa.ffpa_attention_forward
 
     def counting_attention(*args, **kwargs):
         calls[current[0]] += 1
@@ -71,7 +72,7 @@ def parity(monkeypatch, config_kwargs, ids, mask, device, dtype=torch.float16):
         current[:] = [outer]
         return result
 
-    monkeypatch.setattr(fa, "attention", counting_attention)
+    monkeypatch.setattr(routing, "attention", counting_attention)
     monkeypatch.setitem(AttentionInterface._global_mapping, "ffpa", checked_forward)
     runs = {"truth": ("sdpa", torch.float64), "sdpa": ("sdpa", dtype), "ffpa": ("ffpa", dtype)}
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ import torch
 
 from tests.reference import rel_err
 from xattn.torch import ffpa_attention as fa
+from xattn.torch.hf import routing
 
 __all__ = ["Case", "Row", "CASES", "compare", "assert_case", "table", "pytest_params"]
 
@@ -71,8 +72,8 @@ class Row:
 
 @contextlib.contextmanager
 def _observe(calls: list, fallbacks: list):
-    """Record the kernel calls (``fa.attention``) and the fallback log lines of xattn."""
-    kernel = fa.attention
+    """Record the kernel calls (``xattn.torch.hf.routing.attention``) and the fallback log lines of xattn."""
+    kernel = routing.attention
 
     def counting(q, k, v, **kw):
         windowed = kw.get("window_size", (None, None)) != (None, None)
@@ -85,13 +86,13 @@ def _observe(calls: list, fallbacks: list):
                 fallbacks.append(f"{record.reason}->{record.target}")
 
     log, handler = logging.getLogger(fa.__name__), Grab(logging.WARNING)
-    fa.attention, level = counting, log.level
+    routing.attention, level = counting, log.level
     log.addHandler(handler)
     log.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        fa.attention = kernel
+        routing.attention = kernel
         log.removeHandler(handler)
         log.setLevel(level)
 

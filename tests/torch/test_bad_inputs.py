@@ -332,8 +332,9 @@ HF = [
 def hf_kernels(standin, monkeypatch):
     pytest.importorskip("transformers")
     from xattn.torch import ffpa_attention as fa
+    from xattn.torch.hf import support
 
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     fa._FALLBACK_WARNED.clear()
 
 
@@ -355,7 +356,7 @@ def _causal_fa4_ref(q, k, v, kw):
 
 
 def flash_attn_call(q, k, v, **kw):
-    from xattn.torch.fa4 import flash_attn_func
+    from xattn.torch.fa4_interface import flash_attn_func
 
     return flash_attn_func(q, k, v, **kw)[0]
 

@@ -11,17 +11,18 @@ pytest.importorskip("transformers")
 from transformers import masking_utils as mu  # noqa: E402
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf_masks import Pattern, PlannedMask, plan_hf_mask  # noqa: E402
+from xattn.torch.hf import support  # noqa: E402
+from xattn.torch.hf.masks import Pattern, PlannedMask, plan_hf_mask  # noqa: E402
 
 from . import decode, stubs  # noqa: E402
 
-KERNELS_AVAILABLE = fa.kernels_available  # the real probe (the fixture replaces it)
+KERNELS_AVAILABLE = support.kernels_available  # the real probe (the fixture replaces it)
 
 
 @pytest.fixture(autouse=True)
 def kernels(monkeypatch):
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     fa._FALLBACK_WARNED.clear()
 
 
@@ -101,12 +102,12 @@ def test_compiled_static_generate_traces_without_graph_breaks(monkeypatch):
         return report
 
     monkeypatch.setattr(info, "collect", collect)
-    monkeypatch.setattr(fa, "kernels_available", KERNELS_AVAILABLE)
-    fa._probe_kernels.cache_clear()
+    monkeypatch.setattr(support, "kernels_available", KERNELS_AVAILABLE)
+    support._probe_kernels.cache_clear()
     try:
         _compiled_generate_case(counters)
     finally:
-        fa._probe_kernels.cache_clear()  # the next caller probes this machine again
+        support._probe_kernels.cache_clear()  # the next caller probes this machine again
 
 
 def _compiled_generate_case(counters):

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from tests.reference import rel_err  # noqa: E402
 from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf import support  # noqa: E402
 
 from . import decode  # noqa: E402
 
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _gpu():
-    if not torch.cuda.is_available() or fa.kernels_available() is not None:
-        pytest.skip(f"needs the sm90 kernels on a GPU: {fa.kernels_available()}")
+    if not torch.cuda.is_available() or support.kernels_available() is not None:
+        pytest.skip(f"needs the sm90 kernels on a GPU: {support.kernels_available()}")
     fa._FALLBACK_WARNED.clear()
 
 

@@ -106,8 +106,9 @@ def test_forward_only_never_alerts():
 def test_hf_function_alerts_on_fa4_sliding_layers_only(monkeypatch):
     pytest.importorskip("transformers")
     from xattn.torch import ffpa_attention as fa
+    from xattn.torch.hf import support
 
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
 
     class Layer(torch.nn.Module):
         is_causal = True

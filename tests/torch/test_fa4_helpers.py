@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from xattn.torch import fa4
+from xattn.torch import fa4, fa4_interface
 
 from . import stubs
 from .fa4_reference import causal_mask, document_causal_mask, sdpa_reference
@@ -267,7 +267,7 @@ class _FlashAttnCute:
 def flash_attn_cute(monkeypatch):
     fake = _FlashAttnCute()
     real = fa4.import_fa4_modules
-    monkeypatch.setattr(fa4, "import_fa4_modules",
+    monkeypatch.setattr(fa4_interface, "import_fa4_modules",
                         lambda *names: (fake,) if names == ("flash_attn.cute.interface",) else real(*names))
     return fake
 

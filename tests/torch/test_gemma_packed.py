@@ -11,6 +11,7 @@ pytest.importorskip("transformers.models.gemma4")
 
 from tests.reference import rel_err  # noqa: E402
 from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf import call_plan, support  # noqa: E402
 
 from . import gemma_packed as gp, stubs  # noqa: E402
 
@@ -20,7 +21,7 @@ LENGTHS = [7, 11, 6]  # every document longer than the window (5)
 @pytest.fixture
 def kernels(monkeypatch):
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     fa._FALLBACK_WARNED.clear()
 
 
@@ -71,7 +72,7 @@ def test_packed_position_ids_with_a_cache_follow_the_mask_and_say_so(kernels, ca
 
 def test_the_check_catches_documents_that_see_each_other(kernels, monkeypatch):
     """Mutation: ignore the cu_seq_lens documents -> the judgement must fail."""
-    monkeypatch.setattr(fa, "_packed_kwargs", lambda *a: None)
+    monkeypatch.setattr(call_plan, "_packed_kwargs", lambda *a: None)
     ids = _ids(sum(LENGTHS))
     errs = gp.compare(gp.packed_runs(ids, LENGTHS, "cu_seq_lens", "cpu"),
                       gp.packed_runs(ids, LENGTHS, "position_ids", "cpu"), gp.alone_runs(ids, LENGTHS, "cpu"),

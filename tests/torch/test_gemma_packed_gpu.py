@@ -8,6 +8,7 @@ import torch
 
 from tests.reference import rel_err
 from xattn.torch import ffpa_attention as fa
+from xattn.torch.hf import mask_factory, routing
 
 from . import gemma_packed as gp
 
@@ -22,12 +23,12 @@ LENGTHS = [40, 57, 31]  # not tile multiples, all longer than the window
 def families(monkeypatch):
     """Kernel calls of the "ffpa" model by family (sliding layers -> fa4, full -> ffpa)."""
     seen = []
-    inner = fa.attention
+    inner = routing.attention
 
     def counting(*args, family=None, **kwargs):
         seen.append(family)
         return inner(*args, family=family, **kwargs)
-    monkeypatch.setattr(fa, "attention", counting)
+    monkeypatch.setattr(routing, "attention", counting)
     fa._FALLBACK_WARNED.clear()
     return seen
 
@@ -71,7 +72,7 @@ def test_packed_gemma4_on_the_gemm_backward(route, families, monkeypatch, caplog
 @pytest.mark.parametrize("backend", ["fa4", "flex"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_left_padded_gemma4_equals_rows_alone(dtype, backend, families, monkeypatch, caplog):
-    monkeypatch.setattr(fa, "SLIDING_BACKEND", backend)
+    monkeypatch.setattr(mask_factory, "SLIDING_BACKEND", backend)
     ids = _ids((3, 150))
     keep = torch.ones(3, 150, dtype=torch.bool, device="cuda")
     keep[1, :23] = False
@@ -98,7 +99,7 @@ def test_sliding_layer_both_settings_vs_fp64(backend, padded, monkeypatch):
     mask from the factory, then the attention function; fwd and grads vs fp64."""
     from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
-    monkeypatch.setattr(fa, "SLIDING_BACKEND", backend)
+    monkeypatch.setattr(mask_factory, "SLIDING_BACKEND", backend)
     b, n, hq, hkv, d, w = 2, 150, 8, 4, 256, 16
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()

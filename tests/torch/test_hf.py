@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf import registry, support  # noqa: E402
 
 
 from . import gemma, stubs  # noqa: E402
@@ -18,7 +19,7 @@ from . import gemma, stubs  # noqa: E402
 @pytest.fixture
 def kernels(monkeypatch):
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     fa._FALLBACK_WARNED.clear()
 
 
@@ -26,7 +27,7 @@ def test_registration_is_idempotent_and_fills_both_registries():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    fa._REGISTERED = False
+    registry._REGISTERED = False
     assert fa.register_ffpa_attention() is True
     assert fa.register_ffpa_attention() is False  # idempotent; False when already registered, as NeMo's
     assert AttentionInterface._global_mapping["ffpa"] is fa.ffpa_attention_forward
@@ -154,7 +155,7 @@ def test_sdpa_fallback_with_hf_gqa_module_and_dead_rows(caplog):
 
 def test_tiny_gemma4_without_kernels_falls_back_and_matches_sdpa(monkeypatch, caplog):
     pytest.importorskip("transformers.models.gemma4")
-    monkeypatch.setattr(fa, "kernels_available", lambda: "no GPU (test)")
+    monkeypatch.setattr(support, "kernels_available", lambda: "no GPU (test)")
     fa._FALLBACK_WARNED.clear()
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 10, dtype=torch.long)
@@ -189,7 +190,7 @@ def test_tiny_gemma4_kv_shared_layers_with_logits_to_keep(kernels, monkeypatch, 
     pytest.importorskip("transformers.models.gemma4")
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(fa, "_DTYPES", (torch.bfloat16, torch.float16, torch.float64))
+    monkeypatch.setattr(support, "_DTYPES", (torch.bfloat16, torch.float16, torch.float64))
     fa.register_ffpa_attention()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 9, dtype=torch.long)

@@ -14,7 +14,8 @@ import torch
 mu = pytest.importorskip("transformers.masking_utils")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf_masks import KernelMask, PlannedMask, describe, plan_without_mask  # noqa: E402
+from xattn.torch.hf import mask_factory, masks, support  # noqa: E402
+from xattn.torch.hf.masks import KernelMask, PlannedMask, describe, plan_without_mask  # noqa: E402
 
 
 def plan_of(got, args) -> KernelMask | None:
@@ -175,7 +176,7 @@ def test_plain_causal_mask_is_planned_and_wins_over_contradicting_kwargs(monkeyp
     from . import stubs
 
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     for args in (dict(batch_size=2, q_length=4, kv_length=4), dict(batch_size=1, q_length=1, kv_length=9, q_offset=8),
                  dict(batch_size=2, q_length=18, kv_length=25, q_offset=7)):
         got = fa.ffpa_mask(**args, mask_function=mu.causal_mask_function)
@@ -231,7 +232,7 @@ def test_describe_reads_hf_windows():
 
 
 def test_flex_setting_builds_the_sliding_block_mask(monkeypatch):
-    monkeypatch.setattr(fa, "SLIDING_BACKEND", "flex")
+    monkeypatch.setattr(mask_factory, "SLIDING_BACKEND", "flex")
     built = {}
     monkeypatch.setattr(mu, "flex_attention_mask", lambda **kw: built.update(kw) or "block-mask")
     keep = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]).bool()
@@ -239,7 +240,7 @@ def test_flex_setting_builds_the_sliding_block_mask(monkeypatch):
     assert fa.ffpa_mask(2, 4, 4, mask_function=fn, attention_mask=keep) == "block-mask"
     assert built["mask_function"] is fn and built["attention_mask"] is keep  # padding travels with it
     assert isinstance(fa.ffpa_mask(2, 4, 4, attention_mask=keep), PlannedMask)  # full layers stay on kernels
-    monkeypatch.setattr(fa, "SLIDING_BACKEND", "flax")
+    monkeypatch.setattr(mask_factory, "SLIDING_BACKEND", "flax")
     with pytest.raises(ValueError, match="XATTN_SLIDING_BACKEND must be 'flex', 'sdpa' or 'fa4'"):
         fa.ffpa_mask(2, 4, 4, mask_function=fn)
 
@@ -253,7 +254,7 @@ class _Config:
 def test_config_sliding_backend_as_nemo(monkeypatch, backend):
     """``config.ffpa_sliding_attn_backend`` (NeMo's knob) picks the non-causal layers' backend, over
     ``XATTN_SLIDING_BACKEND``; causal layers stay on the kernels whatever it says."""
-    monkeypatch.setattr(fa, "SLIDING_BACKEND", "fa4")
+    monkeypatch.setattr(mask_factory, "SLIDING_BACKEND", "fa4")
     monkeypatch.setattr(mu, "flex_attention_mask", lambda **kw: "block-mask")
     config = _Config(model_type="gemma4_text", ffpa_sliding_attn_backend=backend)
     keep = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]).bool()
@@ -302,11 +303,9 @@ def test_padding_mask_is_read_once_per_tensor(monkeypatch):
     """Decode hands one 2D mask to the full and the sliding factory in a step: an all-ones mask is read
     (one host sync) by the first and answers the second; a mask changed in place, a new tensor or an
     inference tensor is read again, and every plan stays exactly HF's mask."""
-    from xattn.torch import hf_masks
-
     reads = []
-    real = hf_masks._host_bools
-    monkeypatch.setattr(hf_masks, "_host_bools", lambda *f: reads.append(len(f)) or real(*f))
+    real = masks._host_bools
+    monkeypatch.setattr(masks, "_host_bools", lambda *f: reads.append(len(f)) or real(*f))
     n, window = 40, 16
     full = dict(batch_size=1, q_length=1, kv_length=n, q_offset=n - 1, kv_offset=0,
                 mask_function=mu.causal_mask_function)
@@ -329,6 +328,6 @@ def test_padding_mask_is_read_once_per_tensor(monkeypatch):
         frozen = torch.ones(1, n, dtype=torch.long)
     planned(full, frozen), planned(sliding, frozen)
     assert len(reads) == 3  # no version counter: read as before, not remembered
-    before = len(hf_masks._PADDING_READS)
+    before = len(masks._PADDING_READS)
     del mask
-    assert len(hf_masks._PADDING_READS) == before - 1  # forgotten with the tensor
+    assert len(masks._PADDING_READS) == before - 1  # forgotten with the tensor

@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf_masks import window_mask  # noqa: E402
+from xattn.torch.hf import fallback, support  # noqa: E402
+from xattn.torch.hf.masks import window_mask  # noqa: E402
 
 from . import stubs  # noqa: E402
 
@@ -23,7 +24,7 @@ from . import stubs  # noqa: E402
 @pytest.fixture(autouse=True)
 def kernels(monkeypatch):
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     fa._FALLBACK_WARNED.clear()
 
 
@@ -109,10 +110,8 @@ def uniform_dead_rows_sdpa(module, query, key, value, mask, dropout=0.0, scaling
 def test_fallback_rows_without_keys_are_zero_whatever_sdpa_does(monkeypatch, keep):
     """Found by the GPU fuzz: a 2D mask that leaves a row without keys falls back to SDPA, and on CUDA SDPA's
     result for that row was not the 0 the kernels (and the CPU) give."""
-    from xattn.torch import hf_fallback
-
-    monkeypatch.setattr(hf_fallback, "get_sdpa", lambda: uniform_dead_rows_sdpa)
-    fa._SDPA_FN = None
+    monkeypatch.setattr(fallback, "get_sdpa", lambda: uniform_dead_rows_sdpa)
+    fallback._SDPA_FN = None
     q, k, v = _inputs(2, 5, 256)
     q, k, v = q[:1], k[:1], v[:1]
     mask = torch.tensor(keep, dtype=torch.long)
@@ -120,4 +119,4 @@ def test_fallback_rows_without_keys_are_zero_whatever_sdpa_does(monkeypatch, kee
     want = _expected(q, k, v, mask, 0.1)
     assert torch.all(out[want.abs().sum((-1, -2)) == 0] == 0)
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-    fa._SDPA_FN = None
+    fallback._SDPA_FN = None

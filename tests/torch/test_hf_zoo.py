@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf import support  # noqa: E402
 
 from . import hf_zoo, stubs  # noqa: E402
 
@@ -27,7 +27,7 @@ def _table():
 @pytest.mark.parametrize("case", hf_zoo.pytest_params())
 def test_zoo_case(case, monkeypatch):
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     row = hf_zoo.compare(case, "cpu", torch.bfloat16)
     ROWS.append(row)
     # every launch reached the (stand-in) kernels; a training step's backward runs on the same families

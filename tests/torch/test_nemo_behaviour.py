@@ -10,6 +10,7 @@ import torch
 
 from tests.reference import attention as ref_attention, rel_err
 from xattn.torch import ffpa_attention as fa
+from xattn.torch.hf import support
 
 from . import stubs
 
@@ -19,7 +20,7 @@ BF16 = torch.bfloat16
 @pytest.fixture
 def kernels(monkeypatch):
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     fa._FALLBACK_WARNED.clear()
 
 
@@ -45,7 +46,7 @@ def test_high_level_function_is_called_as_upstream_calls_it(kernels):
 
 
 def test_high_level_is_none_pair_without_kernels(monkeypatch):
-    monkeypatch.setattr(fa, "kernels_available", lambda: "no GPU")
+    monkeypatch.setattr(support, "kernels_available", lambda: "no GPU")
     assert fa._get_ffpa_high_level() == (None, None)
 
 

@@ -116,8 +116,9 @@ def _gemma_worker(rank, world, port, path):
     _install_stubs()
     from tests.torch import gemma_cp
     from xattn.torch import ffpa_attention as fa
-    fa.kernels_available = lambda: None
-    fa._DTYPES = (torch.bfloat16, torch.float16, torch.float64)  # the stand-in kernels run fp64: judge the ring alone
+    from xattn.torch.hf import support
+    support.kernels_available = lambda: None
+    support._DTYPES = (torch.bfloat16, torch.float16, torch.float64)  # the stand-ins run fp64: judge the ring alone
     fa.register_ffpa_attention()
     res = {}
     for n, mode in ((24, "context"), (16, "setup")):  # chunk 6 > window 5; chunk 4 < window (a two-chunk halo)
@@ -152,8 +153,9 @@ def _layout_worker(rank, world, port, path):
     from tests.torch import gemma_cp
     from xattn.torch import context_parallel
     from xattn.torch import ffpa_attention as fa
-    fa.kernels_available = lambda: None
-    fa._DTYPES = (torch.bfloat16, torch.float16, torch.float64)
+    from xattn.torch.hf import support
+    support.kernels_available = lambda: None
+    support._DTYPES = (torch.bfloat16, torch.float16, torch.float64)
     fa.register_ffpa_attention()
     model = gemma_cp.build("ffpa", torch.float64, "cpu")
     n = 16

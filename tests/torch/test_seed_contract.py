@@ -19,6 +19,7 @@ import torch
 from tests.reference import attention as ref_attention, attention_bwd as ref_bwd, rel_err, \
     varlen_attention as ref_varlen
 from xattn.torch import fa4, ffpa_attention as fa
+from xattn.torch.hf import support
 
 from . import stubs
 from .fa4_reference import causal_mask, document_causal_mask, sdpa_reference
@@ -119,7 +120,7 @@ def test_listed_data_values():
 @pytest.fixture
 def kernels(monkeypatch):
     stubs.install(monkeypatch)
-    monkeypatch.setattr(fa, "kernels_available", lambda: None, raising=False)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
     fa4._LAYOUT_CACHE.clear()
     fa4._LAYOUT_GENERATION[:] = [None, None]
 

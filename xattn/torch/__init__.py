@@ -1,8 +1,10 @@
 """xattn.torch: the xattn kernels for PyTorch.
 
 * ``attention`` / ``attention_with_lse``: differentiable, over the ``torch.ops.xattn.fwd/bwd`` custom ops;
-* ``xattn.torch.ffpa_attention``: Hugging Face ``attn_implementation="ffpa"`` (``register_ffpa_attention``);
-* ``xattn.torch.fa4``: ``causal_fa4_attention``, ``document_causal_fa4_attention``;
+* ``xattn.torch.ffpa_attention``: Hugging Face ``attn_implementation="ffpa"`` (``register_ffpa_attention``),
+  NeMo's module contract over ``xattn.torch.hf`` (the attention function, mask factory, fallbacks, CP routing);
+* ``xattn.torch.fa4``: ``causal_fa4_attention``, ``document_causal_fa4_attention`` (NeMo's module contract over
+  ``xattn.torch.fa4_helpers`` and ``xattn.torch.fa4_interface``);
 * ``xattn.torch.ring``: context parallelism (``ring_attention``, ``shard_sequence``, ``unshard_sequence``,
   ``sequence_positions``); ``context_parallel`` / ``set_context_parallel_group`` hand a group to "ffpa".
 """

@@ -6,10 +6,10 @@ Every HF mask is built from a ``mask_function(batch_idx, head_idx, q_idx, kv_idx
 :class:`Pattern`; for anything else (chunked layers, image-token blocks, custom ``or_``/``and_``
 overlays) it returns ``None`` and the caller gives SDPA HF's own mask.
 
-:class:`KernelMask` is what ``ffpa_mask`` hands the attention function for every layer of a
-forward: the kernel window (bottom-right aligned), and for padded or packed batches the varlen
-segments (``cu_seqlens``, built once per forward, not per layer), plus the exact SDPA mask for
-the layers that must fall back.
+:class:`KernelMask` is what the mask factory (:mod:`xattn.torch.hf.mask_factory`) hands the
+attention function for every layer of a forward: the kernel window (bottom-right aligned), and for
+padded or packed batches the varlen segments (``cu_seqlens``, built once per forward, not per layer),
+plus the exact SDPA mask for the layers that must fall back.
 
 Positions: query ``i`` of a call sits at ``q_offset + i``, key ``j`` at ``kv_offset + j``. A
 :class:`Pattern` ``(left, right)`` lets a query at position ``p`` see keys at ``p - left .. p + right``

@@ -1,20 +1,40 @@
 """Exact fallbacks of the ``"ffpa"`` attention function: HF's own SDPA function, the model's own eager
-function (softcap, attention sinks), and HF's FlexAttention function (flex ``BlockMask`` layers).
+function (softcap, attention sinks), and HF's FlexAttention function (flex ``BlockMask`` layers); and the
+one-time warning that names why a layer left the kernels.
 
 All take and return what HF's attention interface does: query ``[B, Hq, Nq, D]``, key/value
 ``[B, Hkv, Nk, D/Dv]``, and return ``(out [B, Nq, Hq, Dv] contiguous, weights)``: ``weights`` are the eager
 function's attention probabilities ``[B, Hq, Nq, Nk]`` (as the model's eager path returns them), None for
 SDPA and FlexAttention (as theirs). Masks are the exact
 4D masks ``[B, 1, Nq, Nk]`` (bool, True = attend; or a caller's additive float mask).
+
+Warnings go to the logger of NeMo's module, ``xattn.torch.ffpa_attention`` (callers filter on that name),
+as ``ffpa fallback to <target>: <message> (reason=<reason>)``, once per reason and process.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
 
-__all__ = ["get_sdpa", "get_flex", "get_eager", "run_sdpa", "run_eager", "run_flex", "eager_attention_forward"]
+__all__ = ["logger", "FALLBACK_WARNED", "warn_once", "get_sdpa", "get_flex", "get_eager", "cached_sdpa",
+           "cached_flex", "cached_eager", "nemo_state", "run_sdpa", "run_eager", "run_flex", "run_fallback",
+           "run_exact_fallback", "eager_attention_forward"]
+
+logger = logging.getLogger("xattn.torch.ffpa_attention")  # NeMo's module logger: the name callers filter on
+FALLBACK_WARNED: set[str] = set()  # the reasons warned about so far (NeMo's ``_FALLBACK_WARNED``)
+_SDPA_FN = _FLEX_FN = _EAGER_FN = None  # what the cached getters resolved (NeMo's module state)
+
+
+def warn_once(reason: str, message: str, target: str = "sdpa") -> None:
+    """Log ``ffpa fallback to <target>: <message> (reason=<reason>)`` once per reason and process, as NeMo's
+    module logs it (:data:`logger`; the record's ``reason``/``target`` attributes hold both)."""
+    if reason not in FALLBACK_WARNED:
+        FALLBACK_WARNED.add(reason)
+        logger.warning("ffpa fallback to %s: %s (reason=%r)", target, message, reason,
+                       extra={"reason": reason, "target": target})
 
 
 def get_sdpa():
@@ -38,6 +58,32 @@ def get_flex():
 def get_eager():
     """xattn's generic eager attention (softcap and ``s_aux`` sinks), HF signature."""
     return eager_attention_forward
+
+
+def cached_sdpa():
+    """:func:`get_sdpa`, resolved once and kept (NeMo's ``_get_sdpa``)."""
+    global _SDPA_FN
+    _SDPA_FN = _SDPA_FN or get_sdpa()
+    return _SDPA_FN
+
+
+def cached_flex():
+    """:func:`get_flex`, resolved once and kept (NeMo's ``_get_flex``)."""
+    global _FLEX_FN
+    _FLEX_FN = _FLEX_FN or get_flex()
+    return _FLEX_FN
+
+
+def cached_eager():
+    """:func:`get_eager`, resolved once and kept (NeMo's ``_get_eager``)."""
+    global _EAGER_FN
+    _EAGER_FN = _EAGER_FN or get_eager()
+    return _EAGER_FN
+
+
+def nemo_state() -> dict:
+    """This module's state under NeMo's names (``_SDPA_FN``, ``_FLEX_FN``, ``_EAGER_FN``), read now."""
+    return {"_SDPA_FN": _SDPA_FN, "_FLEX_FN": _FLEX_FN, "_EAGER_FN": _EAGER_FN}
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -106,3 +152,22 @@ def run_flex(module, query, key, value, block_mask, scaling, softcap, kwargs):
         raise ImportError("a flex BlockMask needs transformers' flex_attention_forward (torch >= 2.5)")
     out, _ = flex(module, query, key, value, block_mask, scaling=scaling, softcap=softcap, **kwargs)
     return out, None
+
+
+def run_fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
+    """The exact fallback of a layer: the model's eager function for ``softcap`` / ``s_aux`` sinks, else
+    HF's SDPA function, with ``mask`` as given."""
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        return run_eager(module, query, key, value, mask, dropout, scaling, softcap, kwargs)
+    return run_sdpa(module, query, key, value, mask, dropout, scaling, kwargs)
+
+
+def run_exact_fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
+    """:func:`run_fallback` with a mask xattn built (bool ``[B, 1, Nq, Nk]``): rows that see no key come out 0,
+    as on the kernels. SDPA leaves them to its backend (CUDA's memory-efficient kernel returns nonzero
+    values there, measured on the H200; the CPU returns 0), so the result would depend on the device."""
+    out, weights = run_fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs)
+    dead = ~mask.any(-1)  # [B or 1, 1, Nq]
+    if bool(dead.any()):
+        out = out.masked_fill(dead[:, 0, :, None, None], 0.0)
+    return out, weights
