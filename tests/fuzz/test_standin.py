@@ -53,8 +53,8 @@ def _dlpack_inputs(fn):
 def standins(monkeypatch):
     stubs.install(monkeypatch)
     for fam in ("ffpa", "fa4"):
-        monkeypatch.setitem(harness.CORE, f"{fam}_fwd", _dlpack_inputs(stubs._stub_fwd(fam)))
-        monkeypatch.setitem(harness.CORE, f"{fam}_bwd", _dlpack_inputs(stubs._stub_bwd(fam)))
+        monkeypatch.setitem(harness.CORE, f"{fam}_fwd", _dlpack_inputs(stubs.core_fwd(fam)))
+        monkeypatch.setitem(harness.CORE, f"{fam}_bwd", _dlpack_inputs(stubs.core_bwd(fam)))
     _ffi.set_launcher_provider(numpy_launcher.provider)
     numpy_launcher.CALLS.clear()
     yield
@@ -83,7 +83,7 @@ def test_every_front_end_runs_end_to_end_with_stand_in_kernels(front_end, standi
 
 
 def _broken_fwd(kind):
-    good = stubs._stub_fwd("fa4")
+    good = stubs.core_fwd("fa4")
 
     def run(q, k, v, out, lse, *, softmax_scale, causal, window_size=(None, None), **kw):
         if kind == "scale":

@@ -104,3 +104,40 @@ _REPLACED = {
     "_PLANS": dict,
     "_FWD_PLANS": dict,
 }
+
+
+def _core_plan(family, direction, q, k, v, causal, window_size, cu_q, cu_k, max_q, max_k):
+    meta = lambda t: Meta(tuple(t.shape), str(t.dtype).removeprefix("torch."))  # noqa: E731
+    cu = {} if cu_q is None and cu_k is None else dict(
+        cu_seqlens_q=None if cu_q is None else meta(cu_q), cu_seqlens_k=None if cu_k is None else meta(cu_k),
+        max_seqlen_q=max_q, max_seqlen_k=max_k)
+    return validate_any_head_dim(family, direction, meta(q), meta(k), meta(v), causal=causal, window=window_size,
+                                 allow_no_keys=True, **cu)
+
+
+def core_fwd(family):
+    """A stand-in of the core's public ``xc.<family>_fwd`` (the fuzz harness calls the core directly): the
+    call judged by :func:`validate_any_head_dim`, then computed in fp64 as the launch stand-in."""
+    run = _stub_fwd()
+
+    def call(q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(None, None), cu_seqlens_q=None,
+             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, stream=None, check_inputs=None):
+        plan = _core_plan(family, "fwd", q, k, v, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k)
+        run(plan, q, k, v, out, lse, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return call
+
+
+def core_bwd(family):
+    """A stand-in of the core's public ``xc.<family>_bwd``, as :func:`core_fwd`."""
+    run = _stub_bwd()
+
+    def call(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal=False, window_size=(None, None),
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, workspace=None, stream=None,
+             check_inputs=None):
+        plan = _core_plan(family, "bwd", q, k, v, causal, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k)
+        run(plan, dout, q, k, v, out, lse, dq, dk, dv, workspace=workspace, softmax_scale=softmax_scale,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return call
