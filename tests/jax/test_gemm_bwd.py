@@ -161,7 +161,7 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
     monkeypatch.setattr(gb, "gemm_backward_padded", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, dout, cu = (x.astype(jnp.float16) for x in _packed([64, 64], 2, 1, 512, seed=1))
     cfg = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)
-    spec = cfg.base.spec("bwd", q, k, v, varlen=True)
+    spec = cfg.base.spec("bwd", q, k, v, cu.astype(jnp.int32), cu.astype(jnp.int32), 64, 64)
     import dataclasses
 
     same = dataclasses.replace(cfg, same_segments=True)

@@ -171,12 +171,12 @@ VARLEN = [
     case("varlen-cu-float", _varlen(cu_dtype=torch.float32), TypeError, "cu_seqlens_q", "int32"),
     case("varlen-cu-2d", _change(_varlen(), lambda q, k, v, kw, d: (
         (q, k, v), {**kw, "cu_seqlens_q": kw["cu_seqlens_q"][None], "cu_seqlens_k": kw["cu_seqlens_k"][None]})),
-        ValueError, "cu_seqlens_q", "[B + 1]"),
+        ValueError, "cu_seqlens_q", "[S + 1]"),
     case("varlen-cu-length-mismatch", _change(_varlen(), lambda q, k, v, kw, d: (
         (q, k, v), {**kw, "cu_seqlens_k": kw["cu_seqlens_k"][:2]})), ValueError, "cu_seqlens_k", "(3,)"),
     case("varlen-cu-only-q", _change(_varlen(), lambda q, k, v, kw, d: (
         (q, k, v), {**kw, "cu_seqlens_k": None})), ValueError, "cu_seqlens_q and cu_seqlens_k"),
-    case("varlen-no-segments", _varlen(cu_q=(0,), cu_k=(0,), tq=10, tk=14), ValueError, "cu_seqlens_q", "B >= 1"),
+    case("varlen-no-segments", _varlen(cu_q=(0,), cu_k=(0,), tq=10, tk=14), ValueError, "cu_seqlens_q", "S >= 1"),
     case("varlen-max-seqlen-missing", _varlen(max_seqlen_q=None), ValueError, "max_seqlen_q"),
     case("varlen-max-seqlen-negative", _varlen(max_q=-1), ValueError, "max_seqlen_q", "non-negative"),
     case("varlen-cu-non-contiguous", _change(_varlen(), lambda q, k, v, kw, d: (

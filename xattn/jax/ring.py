@@ -367,6 +367,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, scale: float | No
     works under jit, grad and remat (residuals tagged ``xattn_*``).
     """
     check_dense(q, k, v)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:  # the shard layout first; the core validates the rest
+        raise ValueError(f"q, k, v: expected rank 4 [B, 2L, H, D] (a dual-chunk shard), got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
     if q.shape[1] != k.shape[1] or q.shape[1] % 2 or q.shape[1] == 0:
         raise ValueError(f"q, k: expected the same even local length 2L > 0 (dual-chunk shard), got "
                          f"{q.shape[1]} and {k.shape[1]}")
