@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "xattn", *args], capture_output=True, text=True, check=True).stdout
@@ -29,6 +31,7 @@ def test_info_prints_the_d512_backward_route_table():
     assert "d512 backward: GQA group >= 8: GEMM backward from Nk 2048" in _run("info")
 
 
+@pytest.mark.compile  # a real sm_90a compile of one GEMM launcher
 def test_cache_lists_and_clears_gemm_launchers(tmp_path):
     """The chunked backward's GEMM launchers live in the same disk cache: listed as gemm/<kind>,
     removed by `cache clear` (their names match xattn's own-file pattern)."""

@@ -16,6 +16,8 @@ from .forms import draw_form
 from .results import Collector
 from .test_standin import standins  # noqa: F401  (the stand-in kernels fixture)
 
+pytestmark = pytest.mark.slow  # ~4 min of CPU together: CI's second step (pytest -m slow)
+
 N = {"core": 40, "core-jax": 30, "torch": 40, "jax": 25, "hf": 60, "fa4-doc": 40, "jax-nn": 30,
      "jax@reference": 12, "jax-nn@reference": 15}
 FP16_POOL = tuple(e for e in space.POOL if e.dtype == "float16")

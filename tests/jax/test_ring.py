@@ -101,7 +101,8 @@ def sharded_results():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs = {}
     for ndev in sorted({c["ndev"] for c in CASES}):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev}", JAX_PLATFORMS="cpu")
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ndev}".strip()
+        env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")  # keeps tests/conftest.py's XLA -O0
         cases = json.dumps([c for c in CASES if c["ndev"] == ndev])
         procs[ndev] = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CODE), cases], stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, env=env, cwd=root)
@@ -113,6 +114,8 @@ def sharded_results():
     return results
 
 
+@pytest.mark.slow  # its fixture runs 2- and 4-device subprocesses: CI's second step
+@pytest.mark.xdist_group("jax-ring")  # under --dist loadgroup (CI's second step) the fixture runs once, not per worker
 @pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in CASES])
 def test_ring_matches_unsharded_reference(sharded_results, case):
     r = sharded_results[case["id"]]

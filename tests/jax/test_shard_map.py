@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CODE = """
 import json
 import jax, jax.numpy as jnp, numpy as np
@@ -40,8 +42,10 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow  # a 2-device subprocess: CI's second step
 def test_shard_map_forward_and_grad():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")  # keeps tests/conftest.py's XLA -O0
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(CODE)], capture_output=True, text=True, env=env,
                        cwd=root, timeout=600)

@@ -77,6 +77,7 @@ def _worker(rank, world, port, path):
         json.dump({"cases": results, "positions": positions}, f)
 
 
+@pytest.mark.slow  # spawns a process per rank (gloo): CI's second step
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_matches_unsharded_fp64(world, tmp_path):
     path = str(tmp_path / "res")
@@ -133,6 +134,7 @@ def _gemma_worker(rank, world, port, path):
         json.dump(res, f)
 
 
+@pytest.mark.slow  # spawns a process per rank (gloo): CI's second step
 def test_gemma4_context_parallel_step_matches_one_process(tmp_path):
     """HF Gemma 4 (sliding + full layers), sequence sharded over 2 gloo ranks through "ffpa" under
     context_parallel / setup_ffpa_backend(2, False): loss and every parameter gradient equal the
@@ -187,6 +189,7 @@ def _layout_worker(rank, world, port, path):
         json.dump(res, f)
 
 
+@pytest.mark.slow  # spawns a process per rank (gloo): CI's second step
 def test_context_parallel_refuses_positions_off_the_ring_layout(tmp_path):
     path = str(tmp_path / "res")
     mp.start_processes(_layout_worker, args=(2, _free_port(), path), nprocs=2, start_method="spawn")
