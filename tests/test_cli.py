@@ -69,3 +69,15 @@ def test_warmup_presets_named_by_the_cli_are_the_cores():
     listed = _run("warmup", "--head-dims", "512", "192:128", "--gqa", "4", "--dry-run").split()
     assert "ffpa_fwd_bfloat16_d512x512_g4_causal_dense_sm_90a" in listed
     assert "fa4_fwd_bfloat16_d192x128_g4_full_dense_sm_90a" in listed
+
+
+def test_cache_list_shows_the_linked_shared_library(tmp_path, monkeypatch):
+    """`cache list` names each entry's .so next to its .o (both are on disk; the .so is what loads first)."""
+    stem = "fa4_fwd_bfloat16_d128x128_g1_full_dense_sm_90a-" + "0" * 20
+    (tmp_path / f"{stem}.o").write_bytes(b"\0" * 2000)
+    (tmp_path / f"{stem}.json").write_text(json.dumps({"spec": {"family": "fa4", "direction": "fwd"}}))
+    monkeypatch.setenv("XATTN_CACHE_DIR", str(tmp_path))
+    assert "+ .so" not in _run("cache", "list")
+    (tmp_path / f"{stem}.so").write_bytes(b"\0" * 3000)
+    line = _run("cache", "list").splitlines()[0]
+    assert line.startswith(f"{stem}.o") and "+ .so 3.0 kB" in line and "fa4/fwd" in line

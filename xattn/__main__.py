@@ -120,7 +120,9 @@ def _cache(action: str) -> int:
             spec = e.get("spec", {})
             kind = (f"gemm/{spec['kind']}" if "kind" in spec  # a GEMM of the d512 chunked backward
                     else f"{spec.get('family', '?')}/{spec.get('direction', '?')}")
-            print(f"{e['file']}  {e['bytes'] / 1e3:8.1f} kB  compiled in {e.get('compile_seconds', '?')} s"
+            shared = disk_cache.cache_dir() / (e["file"].removesuffix(".o") + ".so")  # the linked form, if any
+            linked = f"  + .so {shared.stat().st_size / 1e3:.1f} kB" if shared.is_file() else ""
+            print(f"{e['file']}  {e['bytes'] / 1e3:8.1f} kB{linked}  compiled in {e.get('compile_seconds', '?')} s"
                   f"  on {e.get('created', '?')}  {kind}")
         print(f"{len(rows)} entries in {disk_cache.cache_dir()}")
     return 0
