@@ -20,7 +20,7 @@
 #                BWD_ROUTES, BWD_SHAPES) -> $OUT/results/bwd_routes_h200.json
 #   packed-profile  benchmarks/tools/packed_profile.py (CUDA time per kernel, packed vs dense backward; PACKED_DOCS)
 #   diag-probe   benchmarks/tools/diag_pieces_probe.py (causal GEMM backward per diagonal block plan; DIAG_SEQLENS,
-#                DIAG_SHAPES)
+#                DIAG_SHAPES, DIAG_VARIANTS, DIAG_REPEATS)
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
@@ -103,7 +103,8 @@ for step in "$@"; do
     packed-profile) timeout "$t" python benchmarks/tools/packed_profile.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} 2>&1 \
               | grep -v Warning | tee -a "$OUT/steps.log" | tail -120 ;;
     diag-probe) timeout "$t" python benchmarks/tools/diag_pieces_probe.py ${DIAG_SEQLENS:+--seqlens "$DIAG_SEQLENS"} \
-              ${DIAG_SHAPES:+--shapes "$DIAG_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
+              ${DIAG_SHAPES:+--shapes "$DIAG_SHAPES"} ${DIAG_VARIANTS:+--variants "$DIAG_VARIANTS"} \
+              ${DIAG_REPEATS:+--repeats "$DIAG_REPEATS"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
     host-cost) [ -f benchmarks/results/host_cost_h200.json ] && [ ! -f "$OUT/results/host_cost_h200.json" ] \
               && cp benchmarks/results/host_cost_h200.json "$OUT/results/host_cost_h200.json"

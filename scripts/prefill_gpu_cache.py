@@ -68,6 +68,7 @@ def specs(recorded=None, fuzz=False):
             for d32 in ((False, True) if kind == "acc" else (False,))]
     out += [GemmSpec(kind, "bfloat16", False, tile) for tile in ((128, 128), (128, 256), (256, 128))
             for kind in ("probs_causal", "grad_scores")]  # the same probe's P / dS tile A/B
+    out += [GemmSpec(kind, "bfloat16", False, None, "float32") for kind in ("probs_causal", "grad_scores")]  # p32
     for d, dtype in ((320, "bfloat16"), (384, "float16"), (448, "bfloat16")):
         for causal in (False, True):
             add("ffpa", d, d, 2, causal, dtype=dtype)

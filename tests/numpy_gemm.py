@@ -40,23 +40,23 @@ def make(spec: GemmSpec):
         CALLS.append(spec.kind)
         _check_layouts(spec.kind, args)
         if spec.kind == "probs_causal":
-            a, b, rowbias, rowpos, colpos, d, p32, scale_log2, _ = args
+            a, b, rowbias, rowpos, colpos, d, pf, scale_log2, _ = args
             n = d.shape[2]
             x = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, :n]) * float(scale_log2) + _f(rowbias)[:, :, None]
             x = x - MASK_PENALTY * np.maximum(_f(colpos)[:, None, :n] - _f(rowpos)[:, :, None], 0)
             p = np.exp2(x)
-            np.from_dlpack(p32)[...] = p
+            np.from_dlpack(pf)[...] = p
             np.from_dlpack(d)[...] = p
         elif spec.kind == "probs_full":
-            a, b, rowbias, d, p32, scale_log2, _ = args
+            a, b, rowbias, d, pf, scale_log2, _ = args
             s = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, : d.shape[2]])
             p = np.exp2(s * float(scale_log2) + _f(rowbias)[:, :, None])
-            np.from_dlpack(p32)[...] = p
+            np.from_dlpack(pf)[...] = p
             np.from_dlpack(d)[...] = p
         elif spec.kind == "grad_scores":
-            a, b, p32, delta, d, scale, _ = args
+            a, b, pf, delta, d, scale, _ = args
             dp = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, : d.shape[2]])
-            np.from_dlpack(d)[...] = (dp - _f(delta)[:, :, None]) * _f(p32) * float(scale)
+            np.from_dlpack(d)[...] = (dp - _f(delta)[:, :, None]) * _f(pf) * float(scale)
         elif spec.kind == "acc":
             x, y, c, d, _ = args
             m = x.shape[2]

@@ -72,11 +72,26 @@ def test_causal_blocks_stay_short_noncausal_follow_the_budget():
     assert gb.plan(1, 8192, 8192, 4, False, budget=2048 * mib).rows == 8192
 
 
+@pytest.mark.parametrize("nq,hq,causal", [(8192, 32, False), (8192, 16, False), (16384, 16, False),
+                                          (16384, 32, True), (5000, 32, False), (3000, 8, True), (100, 4, False)])
+def test_blocks_are_even_and_fit_the_budget(nq, hq, causal):
+    """The fewest blocks whose P/dS fit the budget, of one length (a 64-row multiple): no short tail
+    block, padding under one 64-row step per block."""
+    budget = 2048 << 20
+    p = gb.plan(1, nq, nq, hq, causal, budget=budget)
+    cap = budget // (gb.BYTES_PER_SCORE * hq * p.keys_stride) // 64 * 64
+    if causal:
+        cap = min(cap, gb.CAUSAL_MAX_ROWS)
+    assert p.rows % 64 == 0 and p.rows <= max(cap, 64)
+    assert p.num_blocks == -(-nq // max(cap, 64)) or p.rows == 64
+    assert p.padded_q - nq < 64 * p.num_blocks
+
+
 def test_workspace_bound_counts_every_buffer():
     b, nq, nk, hq, hkv, d = 1, 8192, 8192, 32, 4, 512
     p = gb.plan(b, nq, nk, hq, True, budget=2048 << 20)
     got = gb.workspace_bytes(b, nq, nk, hq, hkv, d, True, budget=2048 << 20)
-    scores = 8 * b * hq * p.rows * p.keys_stride
+    scores = 6 * b * hq * p.rows * p.keys_stride  # P in q's dtype, P in fp16 (dS reads it), dS
     assert scores <= 2048 << 20
     keys = 2 * 2 * b * hkv * p.keys_stride * d
     assert got >= scores + 8 * b * hkv * nk * d + 3 * 2 * b * hq * p.padded_q * d + keys + gb.DELTA_SLICE_BYTES

@@ -8,8 +8,10 @@ module globals so quack's compile cache keys them by import path across processe
   ``P = exp2(acc · scale_log2 + rowbias)`` with ``rowbias = −lse·log2e`` per row (``−inf`` for
   padded rows and rows that saw no key, so P is 0 there, never NaN); the causal one subtracts
   ``2^100 · relu(colpos − rowpos)`` from the exponent (query/key positions as fp32 vectors),
-  which sends every masked entry to exactly 0. Writes D (q's dtype) and ``p32`` (fp32).
-- :data:`grad_scores`: ``acc = dO Vᵀ`` -> ``dS = (acc − δ) · P32 · scale`` (D, q's dtype).
+  which sends every masked entry to exactly 0. Writes D (q's dtype, the dV GEMM's operand) and
+  ``p_fine``, the copy dS is formed from: fp16 by default (11 significant bits where bf16 has 8;
+  :class:`xattn.core.gemm_sm90.GemmSpec` ``p_dtype``), the output tensor's dtype decides.
+- :data:`grad_scores`: ``acc = dO Vᵀ`` -> ``dS = (acc − δ) · p_fine · scale`` (D, q's dtype).
 
 Importing this module imports quack (which imports torch); :mod:`xattn.core` does so lazily.
 """
@@ -26,19 +28,19 @@ __all__ = ["probs_causal", "probs_full", "grad_scores", "MASK_PENALTY"]
 MASK_PENALTY = 2.0 ** 100  # times relu(key pos - query pos) >= 1 on masked entries: exp2 -> 0
 
 
-@gemm_epilogue(outputs=("p32",), ops={"rowbias": ColVecLoad("rowbias"), "rowpos": ColVecLoad("rowpos"),
+@gemm_epilogue(outputs=("p_fine",), ops={"rowbias": ColVecLoad("rowbias"), "rowpos": ColVecLoad("rowpos"),
                                       "colpos": RowVecLoad("colpos"), "scale_log2": Scalar("scale_log2")})
 def probs_causal(acc, rowbias, rowpos, colpos, scale_log2):
     p = pexp2(acc * scale_log2 + rowbias - relu(colpos - rowpos) * MASK_PENALTY)
-    return {"D": p, "p32": p}
+    return {"D": p, "p_fine": p}
 
 
-@gemm_epilogue(outputs=("p32",), ops={"rowbias": ColVecLoad("rowbias"), "scale_log2": Scalar("scale_log2")})
+@gemm_epilogue(outputs=("p_fine",), ops={"rowbias": ColVecLoad("rowbias"), "scale_log2": Scalar("scale_log2")})
 def probs_full(acc, rowbias, scale_log2):
     p = pexp2(acc * scale_log2 + rowbias)
-    return {"D": p, "p32": p}
+    return {"D": p, "p_fine": p}
 
 
-@gemm_epilogue(ops={"p32": TileLoad("p32"), "delta": ColVecLoad("delta"), "scale": Scalar("scale")})
-def grad_scores(acc, p32, delta, scale):
-    return {"D": (acc - delta) * p32 * scale}
+@gemm_epilogue(ops={"p_fine": TileLoad("p_fine"), "delta": ColVecLoad("delta"), "scale": Scalar("scale")})
+def grad_scores(acc, p_fine, delta, scale):
+    return {"D": (acc - delta) * p_fine * scale}

@@ -9,8 +9,8 @@ into the GEMM's M (``g * rows`` rows), batched over ``L = B * Hkv``:
 step   GEMM (M x N x K)                               fused epilogue / output
 =====  ============================================  ==========================================
 1      ``S = Q Kᵀ``  (g·rows x kend x D)              ``P = exp2(S·scale·log2e − lse·log2e)``,
-                                                      masked → 0; P written bf16/fp16 AND fp32
-2      ``dP = dO Vᵀ`` (g·rows x kend x D)             ``dS = P32 ⊙ (dP − δ) · scale`` (16-bit)
+                                                      masked → 0; P written in q's dtype AND fp16
+2      ``dP = dO Vᵀ`` (g·rows x kend x D)             ``dS = P16 ⊙ (dP − δ) · scale`` (16-bit)
 3      ``dV += Pᵀ dO`` (kend x D x g·rows)            fp32 accumulator (C = D)
 4      ``dK += dSᵀ Q`` (kend x D x g·rows)            fp32 accumulator
 5      ``dQ = dS K``   (g·rows x D x kend)            16-bit, once per block
@@ -24,8 +24,11 @@ per key range over the rows of the pieces that see it, so a block of ``rows`` ro
 ~rows²/(2·pieces) of masked work instead of rows²/2 (the torch driver; JAX computes each block
 whole). It measured slower on the H200, so the default keeps blocks whole.
 
-dS is formed from the fp32 P: with the 16-bit P the gradient error vs fp64 reached 1.86x FFPA's
-on the H200 (mean 1.13x), with the fp32 P it is 1.00x (mean 0.996x).
+dS is formed from a second copy of P in fp16 (P16; :data:`xattn.core.gemm_sm90.P_DTYPES`): with the
+bf16 P the gradient error vs fp64 reached 1.86x FFPA's on the H200 (mean 1.13x), with an fp32 copy
+1.00x (mean 0.996x). dS itself is rounded to 16 bits, so fp16's 11 significant bits add little to
+that, and the P and dS GEMMs, whose epilogues move ~as many bytes as their mainloops take time,
+write and read 2 bytes per score instead of 4.
 
 This module is the framework-neutral planner: which backward a problem gets (:func:`choose`),
 the blocks (:func:`plan`), the memory they take (:func:`workspace_bytes`) and, for packed
@@ -54,7 +57,7 @@ __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
-BYTES_PER_SCORE = 8  # P (16-bit) + P (fp32) + dS (16-bit) per query-row x key element of a block
+BYTES_PER_SCORE = 6  # P (q's dtype) + P (fp16) + dS (16-bit) per query-row x key element of a block
 MIN_BLOCK_ROWS = 64
 # Causal: a block computes its diagonal rows x rows square whole, so longer blocks waste ~rows/N of
 # the work. H200, d512 Hq16/Hkv16 causal N 8k bf16 fwd+bwd (benchmarks/results/bwd_routes_h200.json):
@@ -97,7 +100,7 @@ def env_route() -> str:
 
 def budget_bytes() -> int:
     """``XATTN_GEMM_BWD_BUDGET_MIB`` in bytes (default 2048 MiB), validated: the cap on one block's
-    P (16-bit and fp32) and dS buffers."""
+    P (q's dtype and fp16) and dS buffers."""
     raw = os.environ.get("XATTN_GEMM_BWD_BUDGET_MIB", str(DEFAULT_BUDGET_MIB))
     try:
         mib = int(raw)
@@ -190,11 +193,12 @@ class GemmBwdPlan:
 def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
          budget: int | None = None, rows: int | None = None, shift: int | None = None,
          pieces: int | None = None) -> GemmBwdPlan:
-    """Block rows from the budget (P, fp32 P and dS of one block fit ``budget`` bytes; causal:
-    at most :data:`CAUSAL_MAX_ROWS`) and each block's key limit ``kend`` (bottom-right causal:
-    row i sees keys ``j <= i + shift``, ``shift = Nk - Nq`` unless given: a group of padded
-    documents passes its largest ``nk - nq``). Causal blocks are cut into ``pieces`` (default
-    :data:`DIAGONAL_PIECES`) of whole 64-row multiples along the diagonal."""
+    """Block rows from the budget (P, fp16 P and dS of one block fit ``budget`` bytes; causal:
+    at most :data:`CAUSAL_MAX_ROWS`; the fewest blocks that fit, of equal 64-row multiples) and each
+    block's key limit ``kend`` (bottom-right causal: row i sees keys ``j <= i + shift``,
+    ``shift = Nk - Nq`` unless given: a group of padded documents passes its largest ``nk - nq``).
+    Causal blocks are cut into ``pieces`` (default :data:`DIAGONAL_PIECES`) of whole 64-row multiples
+    along the diagonal."""
     budget = budget_bytes() if budget is None else budget
     keys_stride = _align(max(seqlen_k, 1), ROW_ALIGN)
     if rows is None:
@@ -202,7 +206,8 @@ def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
         if causal:
             rows = min(rows, CAUSAL_MAX_ROWS)
         rows = max(MIN_BLOCK_ROWS, rows // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS)
-        rows = min(rows, _align(max(seqlen_q, 1), MIN_BLOCK_ROWS))
+        # the fewest blocks that fit, evened out (no short tail block)
+        rows = _align(-(-max(seqlen_q, 1) // -(-max(seqlen_q, 1) // rows)), MIN_BLOCK_ROWS)
     num_blocks = -(-seqlen_q // rows)
     shift = seqlen_k - seqlen_q if shift is None else shift
     pieces = DIAGONAL_PIECES if pieces is None else pieces
@@ -234,11 +239,11 @@ def workspace_bytes(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, head
                     head_dim: int, causal: bool, budget: int | None = None, elem_bytes: int = 2) -> int:
     """Upper bound of the scratch one backward allocates beyond its dq/dk/dv outputs.
 
-    ``8·B·Hq·rows·Nk8`` (P 16-bit + P fp32 + dS, one block) ``+ 8·B·Hkv·Nk·D`` (dK/dV fp32
+    ``6·B·Hq·rows·Nk8`` (P 16-bit + P fp16 + dS, one block) ``+ 8·B·Hkv·Nk·D`` (dK/dV fp32
     accumulators) ``+ 3·elem·B·Hq·Nq_pad·D`` (row-permuted q, dout, dq) ``+ 2·elem·B·Hkv·Nk8·D``
     (K/V in block order) ``+ 20·B·Hq·Nq_pad`` (δ, lse, row positions) ``+ 4·B·Hkv·Nk8`` (key
     positions) ``+`` :data:`DELTA_SLICE_BYTES` (δ's temporaries). ``rows`` comes from the budget, so
-    the first term is at most ``max(budget, 8·B·Hq·64·Nk8)``. The torch driver reads q/dout/K/V in
+    the first term is at most ``max(budget, 6·B·Hq·64·Nk8)``. The torch driver reads q/dout/K/V in
     place where their layout allows (B == 1), so it may stay well under this.
     """
     p = plan(batch, seqlen_q, seqlen_k, heads_q, causal, budget)

@@ -9,9 +9,9 @@ module compiles from quack's kernel classes and the epilogues of
 ================  ===========================================  ============================================
 kind              parameters (inputs, then outputs)            computes
 ================  ===========================================  ============================================
-``probs_causal``  A, B, rowbias, rowpos, colpos -> D, p32      ``S = A B[:, :N]ᵀ``; D = p32 = P (masked)
-``probs_full``    A, B, rowbias -> D, p32                      the same without the mask
-``grad_scores``   A, B, p32, delta -> D                        ``D = (A B[:, :N]ᵀ − δ) ⊙ p32 · scale``
+``probs_causal``  A, B, rowbias, rowpos, colpos -> D, pf       ``S = A B[:, :N]ᵀ``; D = pf = P (masked)
+``probs_full``    A, B, rowbias -> D, pf                       the same without the mask
+``grad_scores``   A, B, pf, delta -> D                         ``D = (A B[:, :N]ᵀ − δ) ⊙ pf · scale``
 ``acc``           X, Y, C -> D                                 ``D[:, :M] = Xᵀ Y + C[:, :M]`` (C fp32)
 ``mm_dq``         X, Y -> D                                    ``D = X Y[:, :K]``
 ``mm_kv``         X, Y -> D                                    ``D = Xᵀ Y``
@@ -19,7 +19,7 @@ kind              parameters (inputs, then outputs)            computes
 
 All tensors are batched over a leading L and cross in their natural row-major form (last dim
 contiguous, 16-byte aligned rows): A ``(L, M, K)``, B ``(L, Nb, K)``, X ``(L, K, M)`` or
-``(L, M, K)`` (``mm_dq``), Y ``(L, K, N)`` (``mm_dq``: ``(L, Kb, N)``), D/p32 ``(L, M, N)``,
+``(L, M, K)`` (``mm_dq``), Y ``(L, K, N)`` (``mm_dq``: ``(L, Kb, N)``), D/pf ``(L, M, N)``,
 row vectors ``(L, M)``, colpos ``(L, Nb)``; ``acc``'s C and D are ``(L, Mc, N)``.
 The extents come from the block's own buffers (N from D, M from X, K from X), and the
 key-length operands (B, colpos, ``mm_dq``'s Y, ``acc``'s C/D) may be longer (``Nb, Kb, Mc >=``
@@ -29,7 +29,9 @@ whole fp32 accumulators instead of copying prefixes out for every block (XLA wou
 writes only D's first M rows, so C and D may be one buffer (JAX aliases them). After the tensors
 come the scalar (``scale_log2`` / ``scale``, fp32; none for the plain GEMMs) and
 ``max_active_clusters`` (Int32, :func:`max_active_clusters`); they run on the TVM-FFI
-environment stream. D is 16-bit (q's dtype) except for ``acc`` with ``d32``.
+environment stream. D is 16-bit (q's dtype) except for ``acc`` with ``d32``; pf, the copy of P that
+dS is formed from, is ``GemmSpec.p_dtype`` (fp16 by default: the score traffic was the P and dS
+GEMMs' limit, and fp16 keeps 11 significant bits of P where the bf16 D keeps 8).
 Compile key: :class:`GemmSpec`; tile 128x192 (128x128 for the N = head-dim kinds), cluster 2x1,
 pingpong, static persistent schedule.
 """
@@ -49,7 +51,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
-__all__ = ["GemmSpec", "KINDS", "compile_gemm", "max_active_clusters", "source_digest"]
+__all__ = ["GemmSpec", "KINDS", "P_KINDS", "P_DTYPES", "compile_gemm", "max_active_clusters", "source_digest"]
 
 KINDS = ("probs_causal", "probs_full", "grad_scores", "acc", "mm_dq", "mm_kv")
 TILE_MN = (128, 192)
@@ -59,6 +61,10 @@ TILE_MN = (128, 192)
 # Hq32/Hkv4 causal 8k 379.9 -> 390.1, 16k 429.1 -> 440.9 ((64, 256) and (128, 256) were slower).
 KIND_TILES = {"acc": (128, 128), "mm_dq": (128, 128), "mm_kv": (128, 128)}
 CLUSTER_MNK = (2, 1, 1)
+P_KINDS = ("probs_causal", "probs_full", "grad_scores")  # the kinds that write or read pf
+# pf's dtype: dS = (dP − δ) ⊙ pf is rounded to 16 bits anyway, so fp16's 2^-11 relative error adds
+# little to it (bf16's 2^-8 took the gradient error vs fp64 to 1.86x FFPA's); fp32 is kept for A/Bs.
+P_DTYPES = ("float16", "float32")
 MAX_SWIZZLE = 8
 
 
@@ -77,13 +83,14 @@ class GemmSpec:
     """Compile key of one GEMM launcher: ``kind`` (:data:`KINDS`), 16-bit ``dtype`` of A/B,
     ``d32`` (``acc`` only: D in fp32, i.e. accumulate in place; else D in ``dtype``), ``tile`` (M, N)
     (default: the kind's, :data:`KIND_TILES` or :data:`TILE_MN`; pingpong up to :data:`TILE_MN`'s
-    area, cooperative above). Goes through
-    the same launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`."""
+    area, cooperative above), ``p_dtype`` (:data:`P_KINDS` only: pf's dtype, :data:`P_DTYPES`).
+    Goes through the same launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`."""
 
     kind: str
     dtype: str
     d32: bool = False
     tile: tuple[int, int] | None = None  # None: the kind's (KIND_TILES, else TILE_MN)
+    p_dtype: str = P_DTYPES[0]
     arch: str = "sm_90a"
     source: str = field(default_factory=source_digest)
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
@@ -92,11 +99,16 @@ class GemmSpec:
         if self.tile is None:
             object.__setattr__(self, "tile", KIND_TILES.get(self.kind, TILE_MN))
         object.__setattr__(self, "tile", tuple(self.tile))
+        if self.p_dtype not in P_DTYPES:
+            raise ValueError(f"p_dtype={self.p_dtype!r}: expected one of {P_DTYPES}")
+        if self.p_dtype != P_DTYPES[0] and self.kind not in P_KINDS:
+            raise ValueError(f"p_dtype is for the {P_KINDS} launchers, not {self.kind!r}")
 
     def short_name(self) -> str:
         # "ffpa_bwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
         tile = "" if self.tile == KIND_TILES.get(self.kind, TILE_MN) else f"_t{self.tile[0]}x{self.tile[1]}"
-        return f"ffpa_bwd_gemm_{self.kind}_{self.dtype}{'_d32' if self.d32 else ''}{tile}_{self.arch}"
+        pf = "" if self.p_dtype == P_DTYPES[0] else "_p32"
+        return f"ffpa_bwd_gemm_{self.kind}_{self.dtype}{'_d32' if self.d32 else ''}{tile}{pf}_{self.arch}"
 
     def target_name(self) -> str:
         digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]
@@ -128,11 +140,11 @@ class _Probs:
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mRowBias: cute.Tensor, mRowPos: cute.Tensor,
-                 mColPos: cute.Tensor, mD: cute.Tensor, mP32: cute.Tensor, scale_log2: Float32,
+                 mColPos: cute.Tensor, mD: cute.Tensor, mPf: cute.Tensor, scale_log2: Float32,
                  max_clusters: Int32, stream):
         n = mD.shape[2]
         epi = self.args_cls(rowbias=mRowBias, rowpos=mRowPos, colpos=_prefix(mColPos, 1, n), scale_log2=scale_log2,
-                            p32=mP32)
+                            p_fine=mPf)
         self.gemm(mA, _prefix(mB, 1, n), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
 
 
@@ -142,8 +154,8 @@ class _ProbsFull:
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mRowBias: cute.Tensor, mD: cute.Tensor,
-                 mP32: cute.Tensor, scale_log2: Float32, max_clusters: Int32, stream):
-        epi = self.args_cls(rowbias=mRowBias, scale_log2=scale_log2, p32=mP32)
+                 mPf: cute.Tensor, scale_log2: Float32, max_clusters: Int32, stream):
+        epi = self.args_cls(rowbias=mRowBias, scale_log2=scale_log2, p_fine=mPf)
         self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
 
 
@@ -152,9 +164,9 @@ class _GradScores:
         self.gemm, self.args_cls = gemm, args_cls
 
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mP32: cute.Tensor, mDelta: cute.Tensor,
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mPf: cute.Tensor, mDelta: cute.Tensor,
                  mD: cute.Tensor, scale: Float32, max_clusters: Int32, stream):
-        epi = self.args_cls(p32=mP32, delta=mDelta, scale=scale)
+        epi = self.args_cls(p_fine=mPf, delta=mDelta, scale=scale)
         self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
 
 
@@ -221,17 +233,18 @@ def compile_gemm(spec: GemmSpec):
     sym = cute.sym_int
     l, m, n, k = sym(), sym(), sym(), sym()
     long = sym()  # the longer extent of B / colpos / mm_dq's Y / acc's C and D (a prefix is used)
-    half = lambda x, y: make_fake_tensor(dt, (l, x, y), leading_dim=2, divisibility=8)  # noqa: E731
+    half = lambda x, y, e=dt: make_fake_tensor(e, (l, x, y), leading_dim=2, divisibility=8)  # noqa: E731
     f32 = lambda *shape: make_fake_tensor(Float32, (l, *shape), leading_dim=len(shape), divisibility=4)  # noqa: E731
+    pf = f32 if spec.p_dtype == "float32" else partial(half, e=CUTE_DTYPES[spec.p_dtype])  # P as dS reads it
     if spec.kind == "probs_causal":
         launcher = _Probs(gemm, cls.EpilogueArguments)
-        tensors = (half(m, k), half(long, k), f32(m), f32(m), f32(long), half(m, n), f32(m, n))
+        tensors = (half(m, k), half(long, k), f32(m), f32(m), f32(long), half(m, n), pf(m, n))
     elif spec.kind == "probs_full":
         launcher = _ProbsFull(gemm, cls.EpilogueArguments)
-        tensors = (half(m, k), half(long, k), f32(m), half(m, n), f32(m, n))
+        tensors = (half(m, k), half(long, k), f32(m), half(m, n), pf(m, n))
     elif spec.kind == "grad_scores":
         launcher = _GradScores(gemm, cls.EpilogueArguments)
-        tensors = (half(m, k), half(long, k), f32(m, n), f32(m), half(m, n))
+        tensors = (half(m, k), half(long, k), pf(m, n), f32(m), half(m, n))
     elif spec.kind == "acc":
         launcher = _Acc(gemm, cls.EpilogueArguments)
         tensors = (half(k, m), half(k, n), f32(long, n), f32(long, n) if spec.d32 else half(long, n))

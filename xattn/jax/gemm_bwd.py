@@ -129,9 +129,10 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
             continue
         k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
         # whole kp / vp / colpos / accumulators: the launchers use their first k8 rows in place
-        pb, p32 = _gemm("probs_causal", dt, [qp[:, c], kp, rowbias[:, c], rowpos[:, c], colpos],
-                        [((L, R * g, k8), q.dtype), ((L, R * g, k8), f32)], scale=scale_log2)
-        (dsb,) = _gemm("grad_scores", dt, [dop[:, c], vp, p32, delta[:, c]], [((L, R * g, k8), q.dtype)],
+        # P twice: in q's dtype for dV, in fp16 (GemmSpec.p_dtype) for dS
+        pb, pf = _gemm("probs_causal", dt, [qp[:, c], kp, rowbias[:, c], rowpos[:, c], colpos],
+                       [((L, R * g, k8), q.dtype), ((L, R * g, k8), jnp.float16)], scale=scale_log2)
+        (dsb,) = _gemm("grad_scores", dt, [dop[:, c], vp, pf, delta[:, c]], [((L, R * g, k8), q.dtype)],
                        scale=softmax_scale)
         if C == 1:
             (dv,) = _gemm("mm_kv", dt, [pb, dop[:, c]], [((L, k8, D), q.dtype)])

@@ -40,37 +40,45 @@ class CoreGemms:
     ``launcher(spec) -> callable`` defaults to the compiled launcher of the core cache (tests pass
     stand-ins). ``num_sms`` is the GPU's SM count (it sizes the persistent schedule). ``tiles``:
     ``{kind: (M, N)}`` for launchers of another tile than the kind's default
-    (:class:`xattn.core.gemm_sm90.GemmSpec`)."""
+    (:class:`xattn.core.gemm_sm90.GemmSpec`). ``p_dtype``: the dtype of the copy of P that dS is
+    formed from (``"float16"``, the default, or ``"float32"``; :data:`xattn.core.gemm_sm90.P_DTYPES`),
+    also :attr:`p_dtype` as a torch dtype for the driver's buffer."""
 
-    def __init__(self, dtype: torch.dtype, num_sms: int, launcher=None, tiles=None):
-        from xattn.core.gemm_sm90 import max_active_clusters
+    def __init__(self, dtype: torch.dtype, num_sms: int, launcher=None, tiles=None, p_dtype: str | None = None):
+        from xattn.core.gemm_sm90 import P_DTYPES, max_active_clusters
 
         if dtype not in _DTYPES:
             raise ValueError(f"the GEMM backward runs float16/bfloat16, got {dtype}")
         self._dtype, self._clusters = _DTYPES[dtype], max_active_clusters(num_sms)
         self._launcher = launcher or _core_launcher
         self._tiles = dict(tiles or {})  # kind -> (M, N) tile; the launchers' default elsewhere
+        self._p_dtype = P_DTYPES[0] if p_dtype is None else p_dtype
+        if self._p_dtype not in P_DTYPES:
+            raise ValueError(f"p_dtype={p_dtype!r}: expected one of {P_DTYPES}")
+        self.p_dtype = getattr(torch, self._p_dtype)
         self._fns: dict = {}
 
     def _fn(self, kind: str, d32: bool = False):
         fn = self._fns.get((kind, d32))
         if fn is None:
-            from xattn.core.gemm_sm90 import GemmSpec
+            from xattn.core.gemm_sm90 import P_DTYPES, P_KINDS, GemmSpec
 
-            spec = GemmSpec(kind, self._dtype, d32, self._tiles.get(kind))
+            p_dtype = self._p_dtype if kind in P_KINDS else P_DTYPES[0]
+            spec = GemmSpec(kind, self._dtype, d32, self._tiles.get(kind), p_dtype)
             fn = self._fns[kind, d32] = self._launcher(spec)
         return fn
 
-    def probs(self, q, keys, p, p32, rowbias, rowpos, colpos, scale_log2: float, causal: bool) -> None:
-        """``p``/``p32`` ``(L, M, n)`` = P of ``q (L, M, D)`` against the first n rows of ``keys``."""
+    def probs(self, q, keys, p, pf, rowbias, rowpos, colpos, scale_log2: float, causal: bool) -> None:
+        """``p`` (q's dtype) and ``pf`` (:attr:`p_dtype`) ``(L, M, n)`` = P of ``q (L, M, D)`` against
+        the first n rows of ``keys``."""
         if causal:
-            self._fn("probs_causal")(q, keys, rowbias, rowpos, colpos, p, p32, scale_log2, self._clusters)
+            self._fn("probs_causal")(q, keys, rowbias, rowpos, colpos, p, pf, scale_log2, self._clusters)
         else:
-            self._fn("probs_full")(q, keys, rowbias, p, p32, scale_log2, self._clusters)
+            self._fn("probs_full")(q, keys, rowbias, p, pf, scale_log2, self._clusters)
 
-    def grad_scores(self, dout, values, ds, p32, delta, scale: float) -> None:
-        """``ds (L, M, n) = (dout · values[:, :n]ᵀ − δ) ⊙ p32 · scale``."""
-        self._fn("grad_scores")(dout, values, p32, delta, ds, scale, self._clusters)
+    def grad_scores(self, dout, values, ds, pf, delta, scale: float) -> None:
+        """``ds (L, M, n) = (dout · values[:, :n]ᵀ − δ) ⊙ pf · scale``."""
+        self._fn("grad_scores")(dout, values, pf, delta, ds, scale, self._clusters)
 
     def add_into(self, x, y, acc) -> None:
         """``acc[:, :m] += xᵀ y`` in place (x ``(L, K, m)``, acc fp32 ``(L, >= m, N)``)."""
@@ -186,7 +194,7 @@ def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, co
     n_scores = L * block_rows * nk8
     p_buf = torch.empty(n_scores, device=dev, dtype=dt)
     ds_buf = torch.empty(n_scores, device=dev, dtype=dt)
-    p32_buf = torch.empty(n_scores, device=dev, dtype=torch.float32)
+    pf_buf = torch.empty(n_scores, device=dev, dtype=gemms.p_dtype)
     scale_log2 = softmax_scale * LOG2E
     for c, ((_, kend), pieces) in enumerate(zip(p.blocks, p.pieces)):
         r0 = c * block_rows
@@ -197,14 +205,14 @@ def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, co
         if first:
             dqp[:, r0:r0 + first].zero_()
         k8 = -(-kend // plan_mod.ROW_ALIGN) * plan_mod.ROW_ALIGN
-        pb, dsb, p32 = (buf[: L * m * k8].view(L, m, k8) for buf in (p_buf, ds_buf, p32_buf))
+        pb, dsb, pf = (buf[: L * m * k8].view(L, m, k8) for buf in (p_buf, ds_buf, pf_buf))
         qc, doc = qp[:, r0:r0 + m], dop[:, r0:r0 + m]
         for lo, hi, keys in pieces:
             rs = slice(g * lo, g * hi)
             # whole kp / vp / colpos: the launchers use their first `keys` rows in place
-            gemms.probs(qc[:, rs], kp, pb[:, rs, :keys], p32[:, rs, :keys], rowbias[:, r0:r0 + m][:, rs],
+            gemms.probs(qc[:, rs], kp, pb[:, rs, :keys], pf[:, rs, :keys], rowbias[:, r0:r0 + m][:, rs],
                         rowpos[:, r0:r0 + m][:, rs], colpos, scale_log2, masked)
-            gemms.grad_scores(doc[:, rs], vp, dsb[:, rs, :keys], p32[:, rs, :keys], delta[:, r0:r0 + m][:, rs],
+            gemms.grad_scores(doc[:, rs], vp, dsb[:, rs, :keys], pf[:, rs, :keys], delta[:, r0:r0 + m][:, rs],
                               softmax_scale)
             if not split_acc and keys < kend:
                 pb[:, rs, keys:kend].zero_()
