@@ -58,15 +58,19 @@ def make(spec: GemmSpec):
             dp = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, : d.shape[2]])
             np.from_dlpack(d)[...] = (dp - _f(delta)[:, :, None]) * _f(pf) * float(scale)
         elif spec.kind == "acc":
-            x, y, c, d, _ = args
+            x, y, c, d, c_rows, _ = args
             m = x.shape[2]
-            np.from_dlpack(d)[:, :m] = np.einsum("lkm,lkn->lmn", _f(x), _f(y)) + _f(c)[:, :m]
+            if not 1 <= c_rows <= m:
+                raise ValueError(f"acc: c_rows {c_rows} outside [1, {m}]")
+            added = np.zeros((c.shape[0], m, c.shape[2]), np.float32)
+            added[:, :c_rows] = _f(c)[:, :c_rows]  # the launcher's TMA box ends at c_rows: zeros past it
+            np.from_dlpack(d)[:, :m] = np.einsum("lkm,lkn->lmn", _f(x), _f(y)) + added
         elif spec.kind == "mm_dq":
             x, y, d, _ = args
             np.from_dlpack(d)[...] = np.einsum("lmk,lkn->lmn", _f(x), _f(y)[:, : x.shape[2]])
         else:
             x, y, d, _ = args
-            np.from_dlpack(d)[...] = np.einsum("lkm,lkn->lmn", _f(x), _f(y))
+            np.from_dlpack(d)[:, : x.shape[2]] = np.einsum("lkm,lkn->lmn", _f(x), _f(y))
 
     return tvm_ffi.convert(launcher)
 

@@ -53,7 +53,8 @@ def _gemm(kind, dtype="bfloat16", d32=False):
 
 # The chunked-GEMM d512 backward (xattn.core.gemm_sm90): every launcher kind, both dtypes of one.
 SHIPPED += [_gemm(k) for k in ("probs_causal", "probs_full", "grad_scores", "mm_dq", "mm_kv")]
-SHIPPED += [_gemm("acc", d32=True), _gemm("acc"), _gemm("probs_causal", "float16"), _gemm("acc", "float16", True)]
+SHIPPED += [_gemm("acc", d32=True), _gemm("acc"), _gemm("probs_causal", "float16"), _gemm("acc", "float16", True),
+            _gemm("mm_kv", d32=True)]
 
 
 @pytest.mark.parametrize("spec", SHIPPED)

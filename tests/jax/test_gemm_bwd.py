@@ -51,7 +51,9 @@ def test_jax_driver_vs_fp64(standin, b, nq, nk, hq, hkv, causal, rows):
         assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r)))), (name, err)
     kinds = set(numpy_gemm.CALLS)
     assert "probs_causal" in kinds and "grad_scores" in kinds and "mm_dq" in kinds
-    assert ("mm_kv" in kinds) == (rows is None)
+    # mm_kv writes dk/dv of a single block, or starts the fp32 accumulators that acc adds to
+    with_keys = sum(kend > 0 for _, kend in gb.plan_mod.plan(b, nq, nk, hq, causal, rows=rows).blocks)
+    assert "mm_kv" in kinds and ("acc" in kinds) == (with_keys > 1)
 
 
 def test_route_through_ffpa_attention_grad(standin, monkeypatch):
@@ -90,7 +92,7 @@ def test_bad_buffers_are_named_before_any_launch(standin, bad):
 def test_blocks_pass_whole_keys_and_accumulators(standin):
     """The launchers read the first rows of whole K/V and accumulators in place: the traced backward
     slices no key prefix out for a GEMM and writes no accumulator prefix back (each would be an XLA copy
-    of B·Hkv·k8·D elements per block)."""
+    of B·Hkv·k8·D elements per block), and never zeroes an accumulator (the first block starts it)."""
     q, k, v, dout = _inputs(1, 256, 256, 4, 2, 32, seed=3)
     out, lse = attention_reference(q, k, v, scale=0.2, causal=True)
     jaxpr = jax.make_jaxpr(lambda *a: gb.gemm_backward(*a, softmax_scale=0.2, causal=True, rows=64))(
@@ -100,11 +102,18 @@ def test_blocks_pass_whole_keys_and_accumulators(standin):
     calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "ffi_call"]
     keyed = [e for e in calls if any(str(e.params.get("target_name", "")).find(kind) >= 0
                                      for kind in ("probs_causal", "grad_scores", "mm_dq", "_acc_"))]
-    assert len(keyed) == 4 * 3 + 4 * 2  # 4 blocks x (probs, grad_scores, mm_dq) and 2 accs each
+    # 4 blocks x (probs, grad_scores, mm_dq); 2 accs in each block after the first, whose mm_kv starts them
+    assert len(keyed) == 4 * 3 + 3 * 2
     nk8 = 256
     for e in keyed:
         shapes = [tuple(x.aval.shape) for x in e.invars]
         assert any(s[1] == nk8 for s in shapes if len(s) == 3 and s[-1] == 32), (e.params["target_name"], shapes)
+    starts = [e for e in calls if "mm_kv_float16_d32" in str(e.params.get("target_name", ""))]
+    assert len(starts) == 2 and all(tuple(e.outvars[0].aval.shape) == (2, nk8, 32) for e in starts)
+    # and no zeroed accumulator: the only fp32 arrays of that shape come from the launchers
+    made = [e.primitive.name for e in jaxpr.jaxpr.eqns for o in e.outvars
+            if tuple(o.aval.shape) == (2, nk8, 32) and o.aval.dtype == jnp.float32]
+    assert set(made) == {"ffi_call"}, made
 
 
 def _packed(lens, hq, hkv, d, seed):

@@ -12,24 +12,27 @@ kind              parameters (inputs, then outputs)            computes
 ``probs_causal``  A, B, rowbias, rowpos, colpos -> D, pf       ``S = A B[:, :N]ᵀ``; D = pf = P (masked)
 ``probs_full``    A, B, rowbias -> D, pf                       the same without the mask
 ``grad_scores``   A, B, pf, delta -> D                         ``D = (A B[:, :N]ᵀ − δ) ⊙ pf · scale``
-``acc``           X, Y, C -> D                                 ``D[:, :M] = Xᵀ Y + C[:, :M]`` (C fp32)
+``acc``           X, Y, C -> D                                 ``D[:, :M] = Xᵀ Y + C[:, :M]`` (C fp32; its rows
+                                                               from ``c_rows`` on are read as 0)
 ``mm_dq``         X, Y -> D                                    ``D = X Y[:, :K]``
-``mm_kv``         X, Y -> D                                    ``D = Xᵀ Y``
+``mm_kv``         X, Y -> D                                    ``D[:, :M] = Xᵀ Y``
 ================  ===========================================  ============================================
 
 All tensors are batched over a leading L and cross in their natural row-major form (last dim
 contiguous, 16-byte aligned rows): A ``(L, M, K)``, B ``(L, Nb, K)``, X ``(L, K, M)`` or
 ``(L, M, K)`` (``mm_dq``), Y ``(L, K, N)`` (``mm_dq``: ``(L, Kb, N)``), D/pf ``(L, M, N)``,
-row vectors ``(L, M)``, colpos ``(L, Nb)``; ``acc``'s C and D are ``(L, Mc, N)``.
+row vectors ``(L, M)``, colpos ``(L, Nb)``; ``acc``'s C and D and ``mm_kv``'s D are ``(L, Mc, N)``.
 The extents come from the block's own buffers (N from D, M from X, K from X), and the
-key-length operands (B, colpos, ``mm_dq``'s Y, ``acc``'s C/D) may be longer (``Nb, Kb, Mc >=``
+key-length operands (B, colpos, ``mm_dq``'s Y, ``acc``'s C/D, ``mm_kv``'s D) may be longer (``Nb, Kb, Mc >=``
 the extent; the launcher does not check that, a shorter one is read past its end, so callers go
 through the drivers :mod:`xattn.torch.gemm_bwd` / :mod:`xattn.jax.gemm_bwd` or keep to it): the launcher reads their first rows in place, so a caller passes whole K/V and
 whole fp32 accumulators instead of copying prefixes out for every block (XLA would). ``acc``
-writes only D's first M rows, so C and D may be one buffer (JAX aliases them). After the tensors
-come the scalar (``scale_log2`` / ``scale``, fp32; none for the plain GEMMs) and
+writes only D's first M rows, so C and D may be one buffer (JAX aliases them); it reads only C's
+first ``c_rows`` (``1 <= c_rows <= M``; TMA fills the rest with zeros), so a causal block's new key
+rows need no zeroed accumulator (and ``mm_kv`` with ``d32`` starts one). After the tensors
+come the scalar (``scale_log2`` / ``scale``, fp32; ``acc``: ``c_rows``, Int32; none for the others) and
 ``max_active_clusters`` (Int32, :func:`max_active_clusters`); they run on the TVM-FFI
-environment stream. D is 16-bit (q's dtype) except for ``acc`` with ``d32``; pf, the copy of P that
+environment stream. D is 16-bit (q's dtype) except for ``acc`` / ``mm_kv`` with ``d32``; pf, the copy of P that
 dS is formed from, is ``GemmSpec.p_dtype`` (fp16 by default: the score traffic was the P and dS
 GEMMs' limit, and fp16 keeps 11 significant bits of P where the bf16 D keeps 8).
 Compile key: :class:`GemmSpec`; tile 128x192 (128x128 for the N = head-dim kinds), cluster 2x1,
@@ -51,7 +54,8 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
-__all__ = ["GemmSpec", "KINDS", "P_KINDS", "P_DTYPES", "compile_gemm", "max_active_clusters", "source_digest"]
+__all__ = ["GemmSpec", "KINDS", "P_KINDS", "P_DTYPES", "D32_KINDS", "compile_gemm", "max_active_clusters",
+           "source_digest"]
 
 KINDS = ("probs_causal", "probs_full", "grad_scores", "acc", "mm_dq", "mm_kv")
 TILE_MN = (128, 192)
@@ -62,6 +66,7 @@ TILE_MN = (128, 192)
 KIND_TILES = {"acc": (128, 128), "mm_dq": (128, 128), "mm_kv": (128, 128)}
 CLUSTER_MNK = (2, 1, 1)
 P_KINDS = ("probs_causal", "probs_full", "grad_scores")  # the kinds that write or read pf
+D32_KINDS = ("acc", "mm_kv")  # the kinds that may write an fp32 accumulator (d32)
 # pf's dtype: dS = (dP − δ) ⊙ pf is rounded to 16 bits anyway, so fp16's 2^-11 relative error adds
 # little to it (bf16's 2^-8 took the gradient error vs fp64 to 1.86x FFPA's); fp32 is kept for A/Bs.
 P_DTYPES = ("float16", "float32")
@@ -81,7 +86,7 @@ def source_digest() -> str:
 @dataclass(frozen=True)
 class GemmSpec:
     """Compile key of one GEMM launcher: ``kind`` (:data:`KINDS`), 16-bit ``dtype`` of A/B,
-    ``d32`` (``acc`` only: D in fp32, i.e. accumulate in place; else D in ``dtype``), ``tile`` (M, N)
+    ``d32`` (``acc`` / ``mm_kv`` only: D in fp32, an accumulator; else D in ``dtype``), ``tile`` (M, N)
     (default: the kind's, :data:`KIND_TILES` or :data:`TILE_MN`; pingpong up to :data:`TILE_MN`'s
     area, cooperative above), ``p_dtype`` (:data:`P_KINDS` only: pf's dtype, :data:`P_DTYPES`).
     Goes through the same launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`."""
@@ -175,20 +180,24 @@ class _Acc:
         self.gemm, self.args_cls = gemm, args_cls
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor,
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor, c_rows: Int32,
                  max_clusters: Int32, stream):
-        m = mX.shape[2]
-        self.gemm(mX, mY, _prefix(mD, 1, m), _prefix(mC, 1, m), self.args_cls(), _scheduler(max_clusters), None,
-                  stream, None, None)
+        # C's rows from c_rows on are out of its TMA box: they load as zeros
+        self.gemm(mX, mY, _prefix(mD, 1, mX.shape[2]), _prefix(mC, 1, c_rows), self.args_cls(),
+                  _scheduler(max_clusters), None, stream, None, None)
 
 
 class _Mm:
     def __init__(self, gemm, args_cls):
         self.gemm, self.args_cls = gemm, args_cls
 
+
+class _MmKv(_Mm):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mD: cute.Tensor, max_clusters: Int32, stream):
-        self.gemm(mX, mY, mD, None, self.args_cls(), _scheduler(max_clusters), None, stream, None, None)
+        # D may be a longer accumulator; X (L, K, M) says how many rows this block writes
+        self.gemm(mX, mY, _prefix(mD, 1, mX.shape[2]), None, self.args_cls(), _scheduler(max_clusters), None,
+                  stream, None, None)
 
 
 class _MmDq(_Mm):
@@ -218,8 +227,8 @@ def compile_gemm(spec: GemmSpec):
     """Compile the launcher of ``spec``; returns the compiled TVM-FFI function."""
     if spec.kind not in KINDS:
         raise ValueError(f"unknown GEMM launcher kind {spec.kind!r}; expected one of {KINDS}")
-    if spec.d32 and spec.kind != "acc":
-        raise ValueError(f"d32 is for the 'acc' launcher only, not {spec.kind!r}")
+    if spec.d32 and spec.kind not in D32_KINDS:
+        raise ValueError(f"d32 is for the {D32_KINDS} launchers only, not {spec.kind!r}")
     cls = _epi_class(spec.kind)
     dt = CUTE_DTYPES[spec.dtype]
     pingpong = spec.tile[0] * spec.tile[1] <= TILE_MN[0] * TILE_MN[1]  # larger tiles: cooperative (registers)
@@ -252,7 +261,8 @@ def compile_gemm(spec: GemmSpec):
         launcher = _MmDq(gemm, cls.EpilogueArguments)
         tensors = (half(m, k), half(long, n), half(m, n))
     else:
-        launcher = _Mm(gemm, cls.EpilogueArguments)
-        tensors = (half(k, m), half(k, n), half(m, n))
-    scalars = (Int32(1),) if spec.kind in ("acc", "mm_dq", "mm_kv") else (Float32(1.0), Int32(1))
+        launcher = _MmKv(gemm, cls.EpilogueArguments)
+        tensors = (half(k, m), half(k, n), f32(long, n) if spec.d32 else half(long, n))
+    scalars = {"acc": (Int32(1), Int32(1)), "mm_dq": (Int32(1),), "mm_kv": (Int32(1),)}.get(spec.kind,
+                                                                                          (Float32(1.0), Int32(1)))
     return compile_launcher(launcher, tensors, scalars)

@@ -7,7 +7,8 @@ past the limit (or past Nk: K/V are zero-padded to a multiple of 8) are masked b
 epilogue's position test, so non-causal problems use it too, with every row at the last key.
 The launchers read the first rows of whole K/V and of the whole fp32 dK/dV accumulators
 (:mod:`xattn.core.gemm_sm90`), so no block copies a key prefix out or back: the accumulators are
-threaded through the ``acc`` calls whole (input aliased to output).
+threaded through the ``acc`` calls whole (input aliased to output), started by the first block's
+``mm_kv`` (fp32) and never zeroed (each ``acc`` reads only the key rows earlier blocks wrote).
 """
 
 from __future__ import annotations
@@ -60,12 +61,27 @@ def _vec_to_blocks(x, hkv: int, rows: int, padded: int, fill: float):
     return x.reshape(b, hkv, g, c, rows).transpose(0, 1, 3, 4, 2).reshape(b * hkv, c, rows * g)
 
 
-def _gemm(kind: str, dtype: str, inputs, results, scale=None, d32=False, aliases=None):
+def _gemm(kind: str, dtype: str, inputs, results, scale=None, d32=False, aliases=None, c_rows=None):
     spec = GemmSpec(kind, dtype, d32)
     attrs = {"max_clusters": np.int32(max_active_clusters(_num_sms()))}
     if scale is not None:
         attrs = {"scale": np.float32(scale), **attrs}
+    if c_rows is not None:
+        attrs = {"c_rows": np.int32(c_rows), **attrs}
     return _ffi.call_gemm(spec, inputs, results, attrs, aliases or {})
+
+
+def _accumulate(dtype: str, x, y, acc, written: int, keys: int, out_dtype):
+    """``xᵀ y`` (x ``(L, K, m)``) plus the first ``written`` key rows of the fp32 accumulator ``acc``
+    (None before any block wrote it), as ``(L, keys, N)`` in ``out_dtype`` (fp32: ``acc`` updated in
+    place, aliased); rows from ``m`` on are not written, rows of ``acc`` from ``written`` on never
+    read, so the accumulator needs no zeroing."""
+    shape = ((x.shape[0], keys, y.shape[2]), out_dtype)
+    d32 = jnp.dtype(out_dtype) == jnp.dtype(jnp.float32)
+    if written <= 0:
+        return _gemm("mm_kv", dtype, [x, y], [shape], d32=d32)[0]
+    aliases = {2: 0} if d32 else {}
+    return _gemm("acc", dtype, [x, y, acc], [shape], d32=d32, aliases=aliases, c_rows=min(written, x.shape[2]))[0]
 
 
 def _check_buffers(dout, q, out, lse) -> None:
@@ -115,11 +131,8 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
         rowpos = jnp.broadcast_to(jnp.repeat(pos.reshape(C, R), g, axis=1)[None], (L, C, R * g))
     colpos = jnp.broadcast_to(jnp.arange(nk8, dtype=jnp.float32)[None], (L, nk8))
     assert p.blocks[-1][1] == Nk  # the last block's rows reach the last key (causal bottom-right too)
-    f32 = jnp.float32
-    dk_acc = dv_acc = None
-    if C > 1:
-        dk_acc = jnp.zeros((L, nk8, D), f32)
-        dv_acc = jnp.zeros((L, nk8, D), f32)
+    dk_acc = dv_acc = None  # fp32 (L, nk8, D) over the blocks; their first `written` key rows hold sums
+    written = 0
     dq_blocks = []
     scale_log2 = softmax_scale * LOG2E
     dk = dv = None
@@ -134,15 +147,13 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
                        [((L, R * g, k8), q.dtype), ((L, R * g, k8), jnp.float16)], scale=scale_log2)
         (dsb,) = _gemm("grad_scores", dt, [dop[:, c], vp, pf, delta[:, c]], [((L, R * g, k8), q.dtype)],
                        scale=softmax_scale)
-        if C == 1:
-            (dv,) = _gemm("mm_kv", dt, [pb, dop[:, c]], [((L, k8, D), q.dtype)])
-            (dk,) = _gemm("mm_kv", dt, [dsb, qp[:, c]], [((L, k8, D), q.dtype)])
-        elif c < C - 1:
-            (dv_acc,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc], [((L, nk8, D), f32)], d32=True, aliases={2: 0})
-            (dk_acc,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc], [((L, nk8, D), f32)], d32=True, aliases={2: 0})
+        if c < C - 1:
+            dv_acc = _accumulate(dt, pb, dop[:, c], dv_acc, written, nk8, jnp.float32)
+            dk_acc = _accumulate(dt, dsb, qp[:, c], dk_acc, written, nk8, jnp.float32)
         else:  # the last block reaches the last key (k8 == nk8): it writes the 16-bit results
-            (dv,) = _gemm("acc", dt, [pb, dop[:, c], dv_acc], [((L, nk8, D), q.dtype)])
-            (dk,) = _gemm("acc", dt, [dsb, qp[:, c], dk_acc], [((L, nk8, D), q.dtype)])
+            dv = _accumulate(dt, pb, dop[:, c], dv_acc, written, nk8, q.dtype)
+            dk = _accumulate(dt, dsb, qp[:, c], dk_acc, written, nk8, q.dtype)
+        written = max(written, kend)
         (dqc,) = _gemm("mm_dq", dt, [dsb, kp], [((L, R * g, D), q.dtype)])
         dq_blocks.append(dqc)
     dq = _blocks_to_rows(jnp.stack(dq_blocks, axis=1), B, Nq, Hq, R)

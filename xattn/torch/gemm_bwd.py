@@ -80,13 +80,22 @@ class CoreGemms:
         """``ds (L, M, n) = (dout · values[:, :n]ᵀ − δ) ⊙ pf · scale``."""
         self._fn("grad_scores")(dout, values, pf, delta, ds, scale, self._clusters)
 
-    def add_into(self, x, y, acc) -> None:
-        """``acc[:, :m] += xᵀ y`` in place (x ``(L, K, m)``, acc fp32 ``(L, >= m, N)``)."""
-        self._fn("acc", True)(x, y, acc, acc, self._clusters)
+    def add_into(self, x, y, acc, rows_set: int) -> None:
+        """``acc[:, :m] = xᵀ y + acc[:, :m]`` in place (x ``(L, K, m)``, acc fp32 ``(L, >= m, N)``), where
+        only acc's first ``rows_set`` rows hold values: the rest are taken as 0, never read."""
+        m = x.shape[2]
+        if rows_set <= 0:
+            self._fn("mm_kv", True)(x, y, acc, self._clusters)
+        else:
+            self._fn("acc", True)(x, y, acc, acc, min(rows_set, m), self._clusters)
 
-    def add_to(self, x, y, c, out) -> None:
-        """``out = xᵀ y + c`` (c fp32, out 16-bit, the same ``(L, m, N)``)."""
-        self._fn("acc")(x, y, c, out, self._clusters)
+    def add_to(self, x, y, c, out, rows_set: int) -> None:
+        """``out = xᵀ y + c`` (c fp32, out 16-bit, the same ``(L, m, N)``); c's rows from ``rows_set``
+        on are taken as 0, never read."""
+        if rows_set <= 0:
+            self._fn("mm_kv")(x, y, out, self._clusters)
+        else:
+            self._fn("acc")(x, y, c, out, min(rows_set, x.shape[2]), self._clusters)
 
     def mm_kv(self, x, y, out) -> None:
         """``out = xᵀ y``."""
@@ -177,9 +186,12 @@ def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, co
                 masked: bool, softmax_scale: float, write_dkv, split_acc: bool = True) -> None:
     """The five GEMMs of every block of plan ``p`` over the GEMM-ready operands (see
     :func:`gemm_backward`; a block is ``g * p.rows`` GEMM rows, or fewer at the end of ``qp``): dq
-    blocks into ``dqp``; ``write_dkv(gemms, a, b, p_rows, dout_rows, ds_rows, q_rows, dk_acc, dv_acc)``
-    writes dk/dv keys ``[a, b)`` from the last block (P/dS cut to those keys; the accumulators are
-    None with one block). ``masked``: the probabilities mask by position (causal, or padded keys).
+    blocks into ``dqp``; ``write_dkv(gemms, a, b, p_rows, dout_rows, ds_rows, q_rows, dk_acc, dv_acc,
+    rows_set)`` writes dk/dv keys ``[a, b)`` from the last block (P/dS cut to those keys; the
+    accumulators are None with one block; their rows from ``a + rows_set`` on hold nothing yet).
+    The fp32 dK/dV accumulators are never zeroed: a block's GEMMs read only the key rows earlier
+    blocks wrote (``written``) and start the others. ``masked``: the probabilities mask by position
+    (causal, or padded keys).
 
     Each block runs piece by piece along its causal diagonal (``p.pieces``): P, dS and dq of a piece
     stop at its own key limit. ``split_acc``: dK/dV are accumulated per key range too (keys between
@@ -189,8 +201,9 @@ def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, co
     C, nk8, block_rows = p.num_blocks, p.keys_stride, g * p.rows
     dk_acc = dv_acc = None
     if C > 1:  # fp32 accumulators of dk/dv over the blocks (one block writes dk/dv directly)
-        dk_acc = torch.zeros(L, p.blocks[-1][1], D, device=dev, dtype=torch.float32)  # as many rows as dk/dv
-        dv_acc = torch.zeros_like(dk_acc)
+        dk_acc = torch.empty(L, p.blocks[-1][1], D, device=dev, dtype=torch.float32)  # as many rows as dk/dv
+        dv_acc = torch.empty_like(dk_acc)
+    written = 0  # the accumulators' first `written` key rows hold sums (blocks' key limits only grow)
     n_scores = L * block_rows * nk8
     p_buf = torch.empty(n_scores, device=dev, dtype=dt)
     ds_buf = torch.empty(n_scores, device=dev, dtype=dt)
@@ -229,19 +242,20 @@ def _run_blocks(gemms: CoreGemms, p, qp, dop, kp, vp, rowbias, delta, rowpos, co
         for row, a, b in ranges:
             xs = (pb[:, row:, a:b], doc[:, row:], dsb[:, row:, a:b], qc[:, row:])
             if c < C - 1:
-                gemms.add_into(xs[0], xs[1], dv_acc[:, a:])
-                gemms.add_into(xs[2], xs[3], dk_acc[:, a:])
+                gemms.add_into(xs[0], xs[1], dv_acc[:, a:], written - a)
+                gemms.add_into(xs[2], xs[3], dk_acc[:, a:], written - a)
             else:  # the last block sees every key the plan has (kend == its Nk)
-                write_dkv(gemms, a, b, *xs, dk_acc, dv_acc)
+                write_dkv(gemms, a, b, *xs, dk_acc, dv_acc, written - a)
+        written = max(written, kend)
 
 
 def _write_dkv_into(dk_dst, dv_dst, slices):
     """``write_dkv`` for :func:`_run_blocks` writing ``dst[i]`` from the rows ``slices[i]`` of L."""
-    def write(gemms, a, b, pb, doc, dsb, qc, dk_acc, dv_acc):
+    def write(gemms, a, b, pb, doc, dsb, qc, dk_acc, dv_acc, rows_set):
         for ls, dk_out, dv_out in zip(slices, dk_dst, dv_dst):
             if dk_acc is not None:
-                gemms.add_to(pb[ls], doc[ls], dv_acc[ls, a:b], dv_out[:, a:b])
-                gemms.add_to(dsb[ls], qc[ls], dk_acc[ls, a:b], dk_out[:, a:b])
+                gemms.add_to(pb[ls], doc[ls], dv_acc[ls, a:b], dv_out[:, a:b], rows_set)
+                gemms.add_to(dsb[ls], qc[ls], dk_acc[ls, a:b], dk_out[:, a:b], rows_set)
             else:
                 gemms.mm_kv(pb[ls], doc[ls], dv_out[:, a:b])
                 gemms.mm_kv(dsb[ls], qc[ls], dk_out[:, a:b])
