@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import xattn.jax as xj
+from tests.bad_input_table import TABLE, VARLEN_TABLE, Ops, cases
 from tests.battery import case, raises, unmarked
 from tests.reference import attention as ref_attention, rel_err, varlen_attention as ref_varlen
 from xattn.core.spec import canonical_mask
@@ -28,7 +29,6 @@ from . import numpy_launcher
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-BIG = 2 ** 31
 TOL = 2e-2
 
 
@@ -104,88 +104,37 @@ def _as(name, make):
     return lambda device: (name, *make(device)[1:])
 
 
-DENSE = [
-    case("empty-batch", _dense(b=0)),
-    case("zero-q-len", _dense(nq=0)),
-    case("zero-k-len", _dense(nk=0)),
-    case("zero-k-len-causal", _dense(nk=0, causal=True)),
-    case("zero-q-and-k-len", _dense(nq=0, nk=0)),
-    case("fa4-zero-q-len", _fa4(nq=0)),
-    case("fa4-zero-k-len", _fa4(nk=0)),
-    case("window-zero-k-len", _window(nk=0)),
-    case("fa4-q-longer-than-k", _fa4(nq=12, nk=5)),
+class _JaxOps(Ops):
+    def cast(self, x, dtype):
+        return x.astype(getattr(np, dtype)) if isinstance(x, np.ndarray) else x.astype(getattr(jnp, dtype))
+
+    def tile_heads(self, x, n):
+        return jnp.tile(x, (1, 1, n, 1))
+
+
+def _named(make):
+    """``make`` taking the table's dtype names (``dtype``: jnp, ``cu_dtype``: NumPy) too."""
+    def build(**kw):
+        mod = {"dtype": jnp, "cu_dtype": np}
+        return make(**{n: getattr(mod[n], x) if n in mod and isinstance(x, str) else x for n, x in kw.items()})
+    return build
+
+
+BUILD = {"dense": _named(_dense), "fa4": _named(_fa4), "window": _named(_window), "varlen": _named(_varlen),
+         "shapes": lambda q, k: _shapes(q, k)}
+_EDIT = lambda make, fn: _change(make, fn)  # noqa: E731  (the table's edits take (q, k, v, kw) as _change does)
+
+DENSE = cases(TABLE, "jax", BUILD, _EDIT, _JaxOps(), "scale") + [  # JAX-only; the shared ones: tests/bad_input_table.py
     case("numpy-inputs", _change(_dense(), lambda q, k, v, kw: (tuple(np.asarray(t) for t in (q, k, v)), kw))),
-    case("head-dim-72", _dense(d=72), NotImplementedError, "320-512", "72"),
-    case("head-dim-300", _dense(d=300), NotImplementedError, "320-512", "300"),
-    case("head-dim-600", _dense(d=600), NotImplementedError, "320-512", "600"),
-    case("head-dim-328", _dense(d=328), NotImplementedError, "steps of 16", "328"),
-    case("head-dim-0", _dense(d=0), NotImplementedError, "got 0"),
-    case("v-head-dim-384-with-512", _dense(dv=384), NotImplementedError, "equal", "512 and 384"),
     case("flash-attention-head-dim-512", _dense(fn="fa4"), NotImplementedError, "FA4", "512/512"),
-    case("fa4-192-128-gqa-backward", _dense(hq=4, hkv=2, d=192, dv=128, fn="fa4", causal=True), None,
-         bwd_error=NotImplementedError, gpu=False),
-    case("v-len-mismatch", _change(_dense(), lambda q, k, v, kw: ((q, k, v[:, :11]), kw)), ValueError, "v:",
-         "expected shape (2, 12, 1, 512)"),
-    case("k-batch-mismatch", _change(_dense(), lambda q, k, v, kw: ((q, k[:1], v[:1]), kw)), ValueError, "k:",
-         "expected batch 2"),
-    case("v-heads-mismatch", _change(_dense(), lambda q, k, v, kw: ((q, k, jnp.tile(v, (1, 1, 2, 1))), kw)),
-         ValueError, "v:", "expected shape (2, 12, 1, 512)"),
-    case("k-head-dim-mismatch", _change(_dense(), lambda q, k, v, kw: ((q, k[..., :384], v), kw)), ValueError,
-         "k:", "head dim D = 512", "(2, 12, 1, 384)"),
-    case("k-dtype-mismatch", _change(_dense(), lambda q, k, v, kw: ((q, k.astype(jnp.float32), v), kw)),
-         TypeError, "k:"),
-    case("v-dtype-mismatch", _change(_dense(), lambda q, k, v, kw: ((q, k, v.astype(jnp.float32)), kw)),
-         TypeError, "v:"),
-    case("gqa-ratio-not-dividing", _dense(hkv=3), ValueError, "k:", "Hkv=3 must divide Hq=4"),
-    case("zero-kv-heads", _dense(hkv=0), ValueError, "k:", "Hkv=0"),
-    case("more-kv-than-q-heads", _dense(hq=2, hkv=8), ValueError, "k:", "Hkv=8"),
-    case("scale-nan", _dense(scale=math.nan), ValueError, "scale", "nan"),
-    case("scale-zero", _dense(scale=0.0), ValueError, "scale", "positive"),
-    case("scale-negative", _dense(scale=-0.05), ValueError, "scale", "positive"),
-    case("scale-inf", _dense(scale=math.inf), ValueError, "scale", "inf"),
-    case("scale-minus-inf", _dense(scale=-math.inf), ValueError, "scale"),
-    case("scale-string", _dense(scale="0.05"), TypeError, "scale", "str"),
     case("scale-numpy-float32", _dense(scale=np.float32(0.05))),
-    case("causal-string", _dense(causal="no"), TypeError, "causal"),
-    case("window-not-a-pair", _window(window_size=63), TypeError, "window_size"),
-    case("fp32", _dense(dtype=jnp.float32), TypeError, "q:", "float32"),
-    case("int32", _dense(dtype=jnp.int32), TypeError, "q:", "int32"),
-    case("q-rank-3", _change(_dense(), lambda q, k, v, kw: ((q[0], k, v), kw)), ValueError, "rank 4"),
-    case("q-rank-5", _change(_dense(), lambda q, k, v, kw: ((q[None], k, v), kw)), ValueError, "rank 4"),
-    case("q-not-an-array", _change(_dense(b=1, nq=1, hq=2, hkv=1), lambda q, k, v, kw: ((q.tolist(), k, v), kw)),
-         TypeError, "q:", "list"),
-    case("huge-k-len-2^31", _shapes((1, 8, 4, 512), (1, BIG, 1, 512)), ValueError, "k:", "2147483648"),
-    case("huge-q-len-2^31", _shapes((1, BIG, 4, 512), (1, 8, 1, 512)), ValueError, "q:", "2147483648"),
-    case("huge-rows-B*N", _shapes((65535, 32769, 4, 512), (65535, 8, 1, 512)), ValueError, "q:", "B * N"),
-    case("huge-batch-70000", _shapes((70000, 1, 4, 512), (70000, 1, 1, 512)), ValueError, "q:", "batch 70000"),
-    case("huge-heads-65536", _shapes((1, 1, 65536, 512), (1, 1, 1024, 512)), ValueError, "q:", "65536 heads"),
     case("huge-fa4-backward-workspace", _shapes((1, 2 ** 23, 2, 256), (1, 64, 1, 256), fn="fa4", grad=True,
                                                 window_size=(63, 0)),
          ValueError, "workspace[dq_accum]", "32-bit"),
 ]
 
-VARLEN = [
-    case("varlen-ok-baseline", _varlen()),
-    case("varlen-cu-int64", _varlen(cu_dtype=np.int64), TypeError, "cu_seqlens_q", "int32", "int64"),
-    case("varlen-cu-k-int64", _change(_varlen(), lambda q, k, v, kw: (
-        (q, k, v), {**kw, "cu_seqlens_k": kw["cu_seqlens_k"].astype(np.int64)})), TypeError, "cu_seqlens_k"),
-    case("varlen-cu-float", _varlen(cu_dtype=np.float32), TypeError, "cu_seqlens_q", "int32"),
-    case("varlen-cu-2d", _change(_varlen(), lambda q, k, v, kw: (
-        (q, k, v), {**kw, "cu_seqlens_q": kw["cu_seqlens_q"][None], "cu_seqlens_k": kw["cu_seqlens_k"][None]})),
-        ValueError, "cu_seqlens_q"),
-    case("varlen-cu-length-mismatch", _change(_varlen(), lambda q, k, v, kw: (
-        (q, k, v), {**kw, "cu_seqlens_k": kw["cu_seqlens_k"][:2]})), ValueError, "cu_seqlens_k"),
-    case("varlen-no-segments", _varlen(cu_q=(0,), cu_k=(0,), tq=10, tk=14), ValueError, "cu_seqlens_q"),
-    case("varlen-max-seqlen-negative", _varlen(max_q=-1), ValueError, "max_seqlen_q"),
+VARLEN = cases(VARLEN_TABLE, "jax", BUILD, _EDIT, _JaxOps(), "scale") + [
     case("varlen-max-seqlen-float", _varlen(max_q=6.0), ValueError, "max_seqlen_q"),
-    case("varlen-zero-tokens", _varlen(cu_q=(0, 0, 0), cu_k=(0, 0, 0), max_q=0, max_k=0)),
-    case("varlen-zero-q-tokens", _varlen(cu_q=(0, 0, 0), max_q=0)),
-    case("varlen-zero-k-tokens", _varlen(cu_k=(0, 0, 0), max_k=0)),
-    case("varlen-document-without-keys", _varlen(cu_k=(0, 0, 14), max_k=14)),
-    case("varlen-document-without-queries", _varlen(cu_q=(0, 0, 10), max_q=10)),
-    case("varlen-rank-4", _change(_varlen(), lambda q, k, v, kw: ((q[None], k[None], v[None]), kw)), ValueError,
-         "rank 3"),
-    case("varlen-scale-nan", _varlen(scale=math.nan), ValueError, "scale"),
     case("varlen-head-dim-72", _change(_varlen(), lambda q, k, v, kw: ((q[..., :72], k[..., :72], v[..., :72]), kw)),
          NotImplementedError, "72"),
 ]
