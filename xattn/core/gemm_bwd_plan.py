@@ -28,7 +28,8 @@ dS is formed from a second copy of P in fp16 (P16; :data:`xattn.core.gemm_sm90.P
 bf16 P the gradient error vs fp64 reached 1.86x FFPA's on the H200 (mean 1.13x), with an fp32 copy
 1.00x (mean 0.996x). dS itself is rounded to 16 bits, so fp16's 11 significant bits add little to
 that, and the P and dS GEMMs, whose epilogues move ~as many bytes as their mainloops take time,
-write and read 2 bytes per score instead of 4.
+write and read 2 bytes per score instead of 4. P <= 1 with the forward's lse (fp16 holds up to 65504:
+an lse more than ~11 below the true one would overflow, where it already gave wrong gradients).
 
 This module is the framework-neutral planner: which backward a problem gets (:func:`choose`),
 the blocks (:func:`plan`), the memory they take (:func:`workspace_bytes`) and, for packed
