@@ -59,10 +59,10 @@ def specs(recorded=None, fuzz=False):
         add("ffpa", 512, 512, 8, causal, dtype="float16")
     for causal in (False, True):  # tests/torch/test_gemm_bwd_varlen_gpu.py: fp16 packed documents, GQA 4
         add("ffpa", 512, 512, 4, causal, varlen=True, dtype="float16")
-    from xattn.core.gemm_sm90 import D32_KINDS, KINDS, GemmSpec  # the chunked-GEMM d512 backward's launchers
+    from xattn.core.gemm_sm90 import D32_KINDS, GemmSpec
+    from xattn.core.warmup import gemm_backward_launchers  # the chunked-GEMM d512 backward's launchers
 
-    out += [GemmSpec(kind, dtype, d32) for dtype in ("bfloat16", "float16") for kind in KINDS
-            for d32 in ((False, True) if kind in D32_KINDS else (False,))]
+    out += [g for dtype in ("bfloat16", "float16") for g in gemm_backward_launchers(dtype)]
     tile_variants = ((128, 192), (64, 256), (128, 256))  # benchmarks/tools/diag_pieces_probe.py's A/B (bf16)
     out += [GemmSpec(kind, "bfloat16", d32, tile) for tile in tile_variants for kind in ("acc", "mm_dq", "mm_kv")
             for d32 in ((False, True) if kind in D32_KINDS else (False,))]

@@ -71,6 +71,23 @@ def test_warmup_presets_named_by_the_cli_are_the_cores():
     assert "fa4_fwd_bfloat16_d192x128_g4_full_dense_sm_90a" in listed
 
 
+def test_warmup_brings_the_gemm_backward_launchers_of_a_d512_backward(monkeypatch):
+    """A d512 backward may take the chunked-GEMM route (the route table): warmup builds its launchers too,
+    for the backward's dtypes only, and not when the backward is not asked for or the route is forced off."""
+    from xattn.core import warmup
+
+    gemm = {g.short_name() for g in warmup.gemm_backward_launchers("float16")}
+    assert "ffpa_bwd_gemm_mm_kv_float16_d32_sm_90a" in gemm and "ffpa_bwd_gemm_acc_float16_d32_sm_90a" in gemm
+    names = lambda specs: {s.short_name() for s in specs}  # noqa: E731
+    specs, _ = warmup.plan(head_dims=(512,), dtypes=("float16",))
+    assert gemm <= names(specs) and not any("bfloat16" in n for n in names(specs) if "gemm" in n)
+    assert not any("gemm" in n for n in names(warmup.plan(head_dims=(512,), directions=("fwd",))[0]))
+    assert not any("gemm" in n for n in names(warmup.plan(head_dims=(128,))[0]))
+    assert {g.short_name() for g in warmup.gemm_backward_launchers("bfloat16")} <= names(warmup.plan(model="gemma4")[0])
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
+    assert not any("gemm" in n for n in names(warmup.plan(head_dims=(512,))[0]))
+
+
 def test_cache_list_shows_the_linked_shared_library(tmp_path, monkeypatch):
     """`cache list` names each entry's .so next to its .o (both are on disk; the .so is what loads first)."""
     stem = "fa4_fwd_bfloat16_d128x128_g1_full_dense_sm_90a-" + "0" * 20

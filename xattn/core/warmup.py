@@ -1,7 +1,9 @@
 """``python -m xattn warmup``: fill the disk cache ahead of time, on a GPU node or a CPU login node.
 
 Each requested configuration becomes a :class:`KernelSpec`; unsupported combinations are
-reported and skipped (never silently dropped). Specs already on disk are loaded, not
+reported and skipped (never silently dropped). An FFPA backward also brings the launchers of the
+chunked-GEMM backward (:mod:`xattn.core.gemm_sm90`) of its dtype, which the route table picks for
+long sequences (unless ``XATTN_BWD_ROUTE=ffpa``). Specs already on disk are loaded, not
 recompiled. Progress goes to stderr, one line per launcher.
 """
 
@@ -15,7 +17,7 @@ from . import disk_cache
 from .cache import get_launcher
 from .spec import KernelSpec, supports
 
-__all__ = ["PRESETS", "plan", "run"]
+__all__ = ["PRESETS", "plan", "run", "gemm_backward_launchers"]
 
 # Gemma 4 31B: global layers head_dim 512 with Hq 32 / Hkv 4, sliding layers head_dim 256
 # with Hq 32 / Hkv 16 and a 1024-token window (HF sliding_window=1024 -> FA window (1023, 0)).
@@ -33,7 +35,8 @@ def plan(families=("ffpa", "fa4"), head_dims=(512, 128), dtypes=("bfloat16",), g
     """``(specs to build, [(spec, reason) skipped])`` for a cross product of options or a preset.
 
     ``head_dims`` entries are ints (D == Dv) or ``(D, Dv)`` pairs; a head dim goes to the
-    families that support it.
+    families that support it. An FFPA backward the GEMM route covers adds that route's launchers
+    (:func:`gemm_backward_launchers`, ``GemmSpec``s) for its dtype.
     """
     bases = []
     if model is not None:
@@ -55,7 +58,22 @@ def plan(families=("ffpa", "fa4"), head_dims=(512, 128), dtypes=("bfloat16",), g
             specs.append(spec)
         elif model is not None or not reason.startswith(("FFPA supports head_dim", "FA4 on sm90 supports")):
             skipped.append((spec, reason))  # head dims outside a family are routed, not skipped
+    from . import gemm_bwd_plan
+
+    gemm_dtypes = sorted({s.dtype for s in specs if s.direction == "bwd" and gemm_bwd_plan.covers(
+        s.family, s.head_dim, s.head_dim_v, (s.window_left, s.window_right))})
+    for dt in gemm_dtypes:
+        specs += [g for g in gemm_backward_launchers(dt, arch) if g not in specs]
     return specs, skipped
+
+
+def gemm_backward_launchers(dtype: str, arch: str = "sm_90a") -> list:
+    """Every launcher of the chunked-GEMM backward for ``dtype`` (``GemmSpec``s with their default
+    tiles and P copy): what a d512 backward on that route loads, through either front end."""
+    from .gemm_sm90 import D32_KINDS, KINDS, GemmSpec
+
+    return [GemmSpec(kind, dtype, d32, arch=arch) for kind in KINDS
+            for d32 in ((False, True) if kind in D32_KINDS else (False,))]
 
 
 def run(specs, out=sys.stderr) -> list[dict]:
