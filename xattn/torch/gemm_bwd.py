@@ -42,7 +42,9 @@ class CoreGemms:
     ``{kind: (M, N)}`` for launchers of another tile than the kind's default
     (:class:`xattn.core.gemm_sm90.GemmSpec`). ``p_dtype``: the dtype of the copy of P that dS is
     formed from (``"float16"``, the default, or ``"float32"``; :data:`xattn.core.gemm_sm90.P_DTYPES`),
-    also :attr:`p_dtype` as a torch dtype for the driver's buffer."""
+    also :attr:`p_dtype` as a torch dtype for the driver's buffer. The block plan and the memory bound
+    (:func:`xattn.core.gemm_bwd_plan.workspace_bytes`) count the default's 2 bytes; fp32 (for A/Bs) takes
+    2 more per score of a block."""
 
     def __init__(self, dtype: torch.dtype, num_sms: int, launcher=None, tiles=None, p_dtype: str | None = None):
         from xattn.core.gemm_sm90 import P_DTYPES, max_active_clusters
