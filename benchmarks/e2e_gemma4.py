@@ -469,11 +469,18 @@ def main(argv=None):
     if args.out and os.path.exists(args.out):
         rows = json.load(open(args.out)).get("rows", [])
     seqlens = [int(s) for s in args.seqlens.split(",")]
+    plan = []
     for framework in args.parts.split(","):
-        torch_impls = TORCH_PACKED_IMPLS if args.packed else TORCH_IMPLS
-        impls = args.impls.split(",") if args.impls else (torch_impls if framework == "torch" else JAX_IMPLS)
-        if args.check:
-            impls = ["check"] if framework == "torch" else []
+        if framework not in ("torch", "jax"):
+            ap.error(f"--parts: expected torch and/or jax, got {framework!r}")
+        known = (TORCH_PACKED_IMPLS if args.packed else TORCH_IMPLS) if framework == "torch" else JAX_IMPLS
+        impls = args.impls.split(",") if args.impls else list(known)
+        unknown = [i for i in impls if i not in known]
+        if unknown:  # before anything runs: a wrong name would otherwise become an error row in --out
+            ap.error(f"--impls {','.join(unknown)}: not a {framework} impl{' (packed)' if args.packed else ''}; "
+                     f"expected some of {','.join(known)}")
+        plan.append((framework, ["check"] if args.check and framework == "torch" else [] if args.check else impls))
+    for framework, impls in plan:
         for n in seqlens:
             for impl in impls:
                 rows = [r for r in rows if _key(r) != (framework, impl, n, args.packed)]

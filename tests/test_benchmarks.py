@@ -123,6 +123,15 @@ def test_e2e_gemma4_error_rows_name_the_failure_not_a_source_line():
     assert _error_line("no error line\n") == "no error line" and _error_line("") == "?"
 
 
+def test_e2e_gemma4_refuses_an_impl_of_the_other_framework_before_running(tmp_path):
+    from benchmarks.e2e_gemma4 import main
+
+    out = tmp_path / "rows.json"
+    with pytest.raises(SystemExit):  # argparse's error: nothing measured, no error rows written
+        main(["--parts", "torch,jax", "--packed", "--impls", "ffpa,none", "--out", str(out)])
+    assert not out.exists()
+
+
 def test_bwd_routes_tables_pair_the_routes():
     from benchmarks.bwd_routes import markdown, markdown_jax
 
