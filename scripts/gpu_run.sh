@@ -21,6 +21,8 @@
 #   packed-profile  benchmarks/tools/packed_profile.py (CUDA time per kernel, packed vs dense backward; PACKED_DOCS)
 #   diag-probe   benchmarks/tools/diag_pieces_probe.py (causal GEMM backward per diagonal block plan; DIAG_SEQLENS,
 #                DIAG_SHAPES, DIAG_VARIANTS, DIAG_REPEATS)
+#   aliased-probe  benchmarks/tools/aliased_varlen_gemm_probe.py (one varlen-M GEMM reading every document's keys
+#                through an aliased view; ALIASED_DOCS, ALIASED_KEYS; docs/design.md, the open #23 design)
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
@@ -105,6 +107,8 @@ for step in "$@"; do
     diag-probe) timeout "$t" python benchmarks/tools/diag_pieces_probe.py ${DIAG_SEQLENS:+--seqlens "$DIAG_SEQLENS"} \
               ${DIAG_SHAPES:+--shapes "$DIAG_SHAPES"} ${DIAG_VARIANTS:+--variants "$DIAG_VARIANTS"} \
               ${DIAG_REPEATS:+--repeats "$DIAG_REPEATS"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
+    aliased-probe) timeout "$t" python benchmarks/tools/aliased_varlen_gemm_probe.py ${ALIASED_DOCS:+--docs "$ALIASED_DOCS"} \
+              ${ALIASED_KEYS:+--keys "$ALIASED_KEYS"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
     host-cost) [ -f benchmarks/results/host_cost_h200.json ] && [ ! -f "$OUT/results/host_cost_h200.json" ] \
               && cp benchmarks/results/host_cost_h200.json "$OUT/results/host_cost_h200.json"

@@ -7,13 +7,14 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+def _load(name, folder="benchmarks"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -130,6 +131,17 @@ def test_e2e_gemma4_refuses_an_impl_of_the_other_framework_before_running(tmp_pa
     with pytest.raises(SystemExit):  # argparse's error: nothing measured, no error rows written
         main(["--parts", "torch,jax", "--packed", "--impls", "ffpa,none", "--out", str(out)])
     assert not out.exists()
+
+
+def test_aliased_probe_entries_hold_each_document_at_its_first_token():
+    entry_offsets = _load("aliased_varlen_gemm_probe", "benchmarks/tools").entry_offsets
+
+    lens = [3, 0, 2, 1, 4]
+    cu = entry_offsets(lens)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    assert cu.dtype == np.int32 and cu.shape == (sum(lens) + 1,) and cu[0] == 0 and cu[-1] == sum(lens)
+    rows = {t: (int(a), int(b)) for t, (a, b) in enumerate(zip(cu[:-1], cu[1:])) if b > a}
+    assert rows == {int(s): (int(s), int(s) + n) for s, n in zip(starts[:-1], lens) if n}
 
 
 def test_bwd_routes_tables_pair_the_routes():
