@@ -12,7 +12,8 @@
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
 #   e2e-PART     benchmarks/e2e_gemma4.py --parts PART (torch or jax) -> $OUT/results/e2e_gemma4_h200.json, continuing
-#                benchmarks/results/e2e_gemma4_h200.json (E2E_SEQLENS, E2E_IMPLS narrow it)
+#                benchmarks/results/e2e_gemma4_h200.json (E2E_SEQLENS, E2E_IMPLS narrow it; E2E_TIMEOUT: seconds per
+#                (impl, N) process, default 240)
 #   packed       benchmarks/packed.py (packed d512 fwd+bwd vs the same documents unpacked; PACKED_FRAMEWORKS,
 #                PACKED_DOCS) -> $OUT/results/packed_h200.json, continuing benchmarks/results/packed_h200.json
 #   e2e-packed-PART / e2e-check  benchmarks/e2e_gemma4.py --packed (--check: ffpa/flex loss and grads vs sdpa)
@@ -92,12 +93,12 @@ for step in "$@"; do
             part=${step#e2e-packed-}; extra="--packed"
             [ "$step" = e2e-check ] && part=torch && extra="--packed --check"
             timeout "$t" python benchmarks/e2e_gemma4.py --parts "$part" --seqlens "${E2E_SEQLENS:-16384}" $extra \
-              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
+              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} ${E2E_TIMEOUT:+--timeout "$E2E_TIMEOUT"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
               | tee -a "$OUT/steps.log" | tail -16 ;;
     e2e-*) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
               && cp benchmarks/results/e2e_gemma4_h200.json "$OUT/results/e2e_gemma4_h200.json"
             timeout "$t" python benchmarks/e2e_gemma4.py --parts "${step#e2e-}" --seqlens "${E2E_SEQLENS:-8192,16384,32768}" \
-              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
+              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} ${E2E_TIMEOUT:+--timeout "$E2E_TIMEOUT"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
               | tee -a "$OUT/steps.log" | tail -16 ;;
     bwd-routes) timeout "$t" python benchmarks/bwd_routes.py --seqlens "${BWD_SEQLENS:-8192,16384}" \
               --frameworks "${BWD_FRAMEWORKS:-torch,jax}" --dtypes "${BWD_DTYPES:-bfloat16,float16}" --routes "${BWD_ROUTES:-ffpa,gemm}" --shapes "${BWD_SHAPES:-32/4/causal,16/16/full,16/16/causal}" \
