@@ -144,6 +144,45 @@ def test_aliased_probe_entries_hold_each_document_at_its_first_token():
     assert rows == {int(s): (int(s), int(s) + n) for s, n in zip(starts[:-1], lens) if n}
 
 
+def test_aliased_probe_block_entries_pack_block_c_rows_at_each_document_start():
+    block_entries = _load("aliased_varlen_gemm_probe", "benchmarks/tools").block_entries
+
+    lens = [5, 0, 2, 9, 4]  # rows 4: block 1 holds rows 4.. of the documents longer than 4
+    cu, a_off = block_entries(lens, rows=4, block=1)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    assert cu.shape == (sum(lens) + 1,) and a_off.shape == (sum(lens),)
+    entries = {t: (int(a), int(b), int(a_off[t])) for t, (a, b) in enumerate(zip(cu[:-1], cu[1:])) if b > a}
+    # document 0 (5 rows): row 4; document 3 (9 rows): rows 4-7; packed from 0 in document order
+    assert entries == {int(starts[0]): (0, 1, 4), int(starts[3]): (1, 5, int(starts[3]) + 4)}
+    assert int(cu[-1]) == 5
+
+
+@pytest.mark.compile
+def test_aliased_probe_table_launcher_compiles_with_its_manager_in_place_of_quacks():
+    probe = _load("aliased_varlen_gemm_probe", "benchmarks/tools")
+    import quack.gemm_sm90 as sm90
+    from quack.varlen_utils import VarlenManager
+
+    used = []
+    make = probe.table_manager_class
+
+    def recording():
+        cls = make()
+        offset_a = cls.offset_batch_A
+
+        def offset_batch_A(self, *args):
+            used.append(type(self).__name__)
+            return offset_a(self, *args)
+
+        cls.offset_batch_A = offset_batch_A
+        return cls
+
+    probe.table_manager_class = recording
+    probe.compile_table_mm()
+    assert used and set(used) == {"TableManager"}  # the traced kernel took A's offsets from the table
+    assert sm90.VarlenManager is VarlenManager  # and quack's own manager is back
+
+
 def test_bwd_routes_tables_pair_the_routes():
     from benchmarks.bwd_routes import markdown, markdown_jax
 
