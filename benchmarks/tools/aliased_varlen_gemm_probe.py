@@ -22,8 +22,8 @@ the table launcher. One GPU, bf16, d512, Hkv 1.
 
     python benchmarks/tools/aliased_varlen_gemm_probe.py [--docs mix16k,4096] [--keys 4096]
 
-``entry_offsets`` / ``block_entries`` (the token-indexed ``cu_seqlens_m`` and A's offsets) are CPU-tested in tests/test_benchmarks.py; the
-launcher compiles on the CPU (``--compile-only``).
+``entry_offsets`` / ``block_entries`` (the token-indexed ``cu_seqlens_m`` and A's offsets) are CPU-tested in
+tests/test_benchmarks.py; the launchers compile on the CPU (``--compile-only``).
 """
 # no `from __future__ import annotations`: the launcher class below is defined inside a function and
 # CuTeDSL reads its annotations (cute.Tensor) by name
