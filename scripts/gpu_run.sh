@@ -22,8 +22,8 @@
 #   packed-profile  benchmarks/tools/packed_profile.py (CUDA time per kernel, packed vs dense backward; PACKED_DOCS)
 #   diag-probe   benchmarks/tools/diag_pieces_probe.py (causal GEMM backward per diagonal block plan; DIAG_SEQLENS,
 #                DIAG_SHAPES, DIAG_VARIANTS, DIAG_REPEATS)
-#   aliased-probe  benchmarks/tools/aliased_varlen_gemm_probe.py (one varlen-M GEMM reading every document's keys
-#                through an aliased view; ALIASED_DOCS, ALIASED_KEYS; docs/design.md, the open #23 design)
+#   aliased-probe  benchmarks/tools/aliased_varlen_gemm_probe.py (the varlen GEMM ingredients of the packed backward
+#                under jit, checked vs torch; ALIASED_DOCS, ALIASED_KEYS; docs/design.md, the open #23 design)
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,

@@ -157,8 +157,23 @@ def test_aliased_probe_block_entries_pack_block_c_rows_at_each_document_start():
     assert int(cu[-1]) == 5
 
 
+def test_aliased_probe_block_pieces_address_rows_scratch_and_aligned_keys():
+    block_pieces = _load("aliased_varlen_gemm_probe", "benchmarks/tools").block_pieces
+
+    lens = [5, 0, 2, 9, 4]
+    pc = block_pieces(lens, rows=4, block=1, align=4)  # documents 0 (row 4) and 3 (rows 4-7) have block 1
+    assert pc["docs"] == [0, 3]
+    assert pc["cu_k"].tolist() == [0, 1, 5]  # their rows packed in the scratch
+    assert pc["b_off"].tolist() == [4, 7 + 4]  # first q row of each piece: document start + 4
+    assert pc["d_off"].tolist() == [0, 8 + 0 + 4]  # accumulator starts: 0, then 8 (5 -> 8), 0, 4 (2 -> 4)
+    assert pc["keys"].tolist() == [5, 8] and pc["cu_keys"].tolist() == [0, 5, 13]  # min(kend 8, L)
+    assert pc["acc_rows"] == 8 + 0 + 4 + 12 + 4
+    for d, k, n in zip(pc["d_off"], pc["keys"], (5, 9)):  # no piece writes into the next document's rows
+        assert d + k <= d + -(-n // 4) * 4
+
+
 @pytest.mark.compile
-def test_aliased_probe_table_launcher_compiles_with_its_manager_in_place_of_quacks():
+def test_aliased_probe_launchers_compile_with_their_managers_in_place_of_quacks():
     probe = _load("aliased_varlen_gemm_probe", "benchmarks/tools")
     import quack.gemm_sm90 as sm90
     from quack.varlen_utils import VarlenManager
@@ -181,6 +196,26 @@ def test_aliased_probe_table_launcher_compiles_with_its_manager_in_place_of_quac
     probe.compile_table_mm()
     assert used and set(used) == {"TableManager"}  # the traced kernel took A's offsets from the table
     assert sm90.VarlenManager is VarlenManager  # and quack's own manager is back
+
+    make_keys, make_gemm = probe.keys_manager_class, probe.keys_gemm_class
+    seen = []
+
+    def recording_keys():
+        cls = make_keys()
+        offset_b, offset_epi = cls.offset_batch_B, cls.offset_batch_epi
+        cls.offset_batch_B = lambda self, *a: seen.append("B") or offset_b(self, *a)
+        cls.offset_batch_epi = lambda self, *a: seen.append("D") or offset_epi(self, *a)
+        return cls
+
+    def recording_gemm():
+        cls = make_gemm()
+        scheduler = cls.get_scheduler_class
+        cls.get_scheduler_class = lambda self, *a, **k: seen.append("scheduler") or scheduler(self, *a, **k)
+        return cls
+
+    probe.keys_manager_class, probe.keys_gemm_class = recording_keys, recording_gemm
+    probe.compile_keys_mm()
+    assert {"B", "D", "scheduler"} <= set(seen) and sm90.VarlenManager is VarlenManager
 
 
 def test_bwd_routes_tables_pair_the_routes():

@@ -14,15 +14,20 @@ launch for all documents, with no per-document gather. Two things are unknown un
    that holds only that block's rows). quack's sm90 GEMM takes every per-entry offset from
    ``quack.varlen_utils.VarlenManager``; ``TableManager`` overrides A's, and is put in place of quack's
    while the launcher compiles (the table travels in ``VarlenArguments.mCuTilesM``, unused by these
-   epilogues).
+   epilogues);
+4. the plan's dK/dV GEMM of row block c in quack's ``cu_seqlens_k`` mode: one entry per piece (K = its rows,
+   packed in the scratch at ``cu_seqlens_k``), ``Pᵀ`` from the scratch times the piece's q rows read in place
+   (B's offsets from a table), written to an accumulator where each document starts at a multiple of the
+   block rows (D's offsets from a table), on quack's ``VarlenMTileScheduler`` counting each piece's own key
+   tiles (``KeysManager``, ``keys_gemm_class``).
 
 Prints, per document mix: the max error of each document's ``S[:, :L]`` vs torch (fp32 accumulate), and
 the ms of the aliased call vs the gathered one (same tiles computed); then the same check for block c of
-the table launcher. One GPU, bf16, d512, Hkv 1.
+the table launcher and the keys launcher. One GPU, bf16, d512, Hkv 1.
 
     python benchmarks/tools/aliased_varlen_gemm_probe.py [--docs mix16k,4096] [--keys 4096]
 
-``entry_offsets`` / ``block_entries`` (the token-indexed ``cu_seqlens_m`` and A's offsets) are CPU-tested in
+``entry_offsets`` / ``block_entries`` / ``block_pieces`` (the entries and their tables) are CPU-tested in
 tests/test_benchmarks.py; the launchers compile on the CPU (``--compile-only``).
 """
 # no `from __future__ import annotations`: the launcher class below is defined inside a function and
@@ -208,6 +213,130 @@ def run_table(spec: str, keys: int, rows: int, block: int, fn, clusters: int) ->
           f"max rel error {worst:.2e} ({'OK' if worst < 2e-2 else 'WRONG'})", flush=True)
 
 
+def block_pieces(lens, rows: int, block: int, align: int) -> dict:
+    """Row block ``block`` of documents ``lens`` as pieces (one per document with rows in it, in order):
+    ``cu_k`` int32 ``[P + 1]`` (their rows packed from 0, the scratch's rows), ``b_off`` (first q row of
+    each), ``d_off`` (each document's first row in an accumulator that starts every document at a multiple
+    of ``align``), ``keys`` (the keys each piece writes: ``min(kend, L)``, kend = ``(block + 1)·rows``),
+    ``cu_keys`` (their prefix sum), ``acc_rows`` (the accumulator's length) and ``docs`` (document index
+    of each piece)."""
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    aligned = np.concatenate([[0], np.cumsum([-(-n // align) * align for n in lens])]).astype(np.int64)
+    kend = (block + 1) * rows
+    docs, piece_rows, b_off, d_off, keys = [], [], [], [], []
+    for i, n in enumerate(lens):
+        m = min(max(n - block * rows, 0), rows)
+        if m:
+            docs.append(i)
+            piece_rows.append(m)
+            b_off.append(starts[i] + block * rows)
+            d_off.append(aligned[i])
+            keys.append(min(kend, n))
+    i32 = lambda x: np.asarray(x, np.int64).astype(np.int32)  # noqa: E731
+    return dict(cu_k=i32(np.concatenate([[0], np.cumsum(piece_rows)])), b_off=i32(b_off), d_off=i32(d_off),
+                keys=i32(keys), cu_keys=i32(np.concatenate([[0], np.cumsum(keys)])), acc_rows=int(aligned[-1]),
+                docs=docs)
+
+
+def keys_gemm_class():
+    """quack's default-epilogue sm90 GEMM scheduled by ``VarlenMTileScheduler`` over the prefix sum in row 2
+    of the table tensor (``VarlenArguments.mCuTilesM``, int32 ``[3, P + 1]``): each piece's own M tiles."""
+    import cutlass.cute as cute
+    from quack.gemm_default_epi import GemmDefaultSm90
+    from quack.tile_scheduler import PersistenceMode, VarlenMTileScheduler, VarlenMTileSchedulerArguments
+
+    class KeysGemm(GemmDefaultSm90):
+        def get_scheduler_class(self, varlen_m: bool = False):
+            return VarlenMTileScheduler
+
+        def get_scheduler_arguments(self, mA, mB, mD, scheduler_args, varlen_args, epilogue_args):
+            pieces = varlen_args.mCuSeqlensK.shape[0] - 1
+            return VarlenMTileSchedulerArguments(
+                problem_shape_ntile_mnl=(None, cute.ceil_div(cute.size(mB, mode=[0]), self.cta_tile_shape_mnk[1]),
+                                         pieces),
+                total_m=pieces * cute.size(mA, mode=[0]),  # each piece writes at most A's M (kend) keys
+                cu_seqlens_m=varlen_args.mCuTilesM[2, None],
+                raster_order=scheduler_args.raster_order,
+                group_size=scheduler_args.max_swizzle_size,
+                tile_shape_mn=self.cta_tile_shape_mnk[:2],
+                cluster_shape_mnk=self.cluster_shape_mnk,
+                tile_count_semaphore=None,
+                persistence_mode=PersistenceMode.STATIC,
+            )
+
+    return KeysGemm
+
+
+def keys_manager_class():
+    """``VarlenManager`` for ``cu_seqlens_k`` calls whose B rows start at a per-entry table (row 0 of
+    ``params.cu_tiles_m``) and whose D/C start at another (row 1): A stays at ``cu_seqlens_k``."""
+    import cutlass.cute as cute
+    from cutlass import const_expr
+    from quack import copy_utils
+    from quack.varlen_utils import VarlenManager
+
+    class KeysManager(VarlenManager):
+        @staticmethod
+        def create(params, len_m_static, len_k_static, len_n_static, *, loc=None, ip=None):
+            return KeysManager(params, len_m_static=len_m_static, len_k_static=len_k_static,
+                               len_n_static=len_n_static)
+
+        def offset_batch_B(self, mB_nkl, batch_idx):
+            offset = self.params.cu_tiles_m[0, batch_idx]
+            rank = const_expr(cute.rank(mB_nkl))
+            if const_expr(rank == 2):
+                return cute.domain_offset((None, offset), mB_nkl)
+            length = self.params.cu_seqlens_k[batch_idx + 1] - self.params.cu_seqlens_k[batch_idx]
+            return copy_utils.offset_ragged_tensor(mB_nkl, offset, length, ragged_dim=1, ptr_shift=rank == 3)
+
+        def offset_batch_epi(self, mD_mnl, batch_idx):
+            return cute.domain_offset((self.params.cu_tiles_m[1, batch_idx], None), mD_mnl[None, None, 0])
+
+    return KeysManager
+
+
+def compile_keys_mm(dtype: str = "bfloat16"):
+    """``acc[d_off[p] + i] = sum_r P[cu_k[p] + r, i] · Q[b_off[p] + r]`` for keys ``i < keys[p]``: P the block's
+    scratch ``(rows, kend)``, Q ``(T, D)``, acc ``(acc_rows, D)`` 16-bit (the fp32 accumulate of the plan adds C;
+    this checks the addressing), cu_k int32 ``(P + 1,)``, tables int32 ``(3, P + 1)``: b_off, d_off, cu_keys."""
+    from xattn.core.gemm_sm90 import CLUSTER_MNK, KIND_TILES, _scheduler
+    from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
+
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from quack.compile_utils import make_fake_tensor
+    from quack.varlen_utils import VarlenArguments
+
+    def transposed(t):  # (rows, cols) -> its (cols, rows) view
+        layout = cute.make_layout((t.shape[1], t.shape[0]), stride=(t.stride[1], t.stride[0]))
+        return cute.make_tensor(t.iterator, layout)
+
+    class KeysMm:
+        def __init__(self, gemm):
+            self.gemm = gemm
+
+        @cute.jit
+        def __call__(self, mP: cute.Tensor, mQ: cute.Tensor, mAcc: cute.Tensor, mCuK: cute.Tensor,
+                     mTables: cute.Tensor, max_clusters: Int32, stream):
+            acc = cute.make_tensor(mAcc.iterator, cute.make_layout((1, mAcc.shape[0], mAcc.shape[1]),
+                                                                   stride=(0, mAcc.stride[0], 1)))
+            self.gemm(transposed(mP), transposed(mQ), acc, None, self.gemm.EpilogueArguments(),
+                      _scheduler(max_clusters), VarlenArguments(mCuSeqlensK=mCuK, mCuTilesM=mTables), stream)
+
+    dt = CUTE_DTYPES[dtype]
+    gemm = keys_gemm_class()(Float32, dt, KIND_TILES["acc"], CLUSTER_MNK, pingpong=True, is_persistent=True,
+                             gather_A=False, concat_layout=None)
+    sym = cute.sym_int
+    rows, kend, t, d, acc_rows, p1 = sym(), sym(), sym(), sym(), sym(), sym()
+    tensors = (make_fake_tensor(dt, (rows, kend), leading_dim=1, divisibility=8),
+               make_fake_tensor(dt, (t, d), leading_dim=1, divisibility=8),
+               make_fake_tensor(dt, (acc_rows, d), leading_dim=1, divisibility=8),
+               make_fake_tensor(Int32, (p1,), divisibility=1),
+               make_fake_tensor(Int32, (3, p1), leading_dim=1, divisibility=1))
+    with quack_manager(keys_manager_class()):
+        return compile_launcher(KeysMm(gemm), tensors, (Int32(1),))
+
+
 def run(spec: str, keys: int, fn, clusters: int) -> None:
     import torch
 
@@ -248,6 +377,42 @@ def run(spec: str, keys: int, fn, clusters: int) -> None:
           flush=True)
 
 
+def run_keys(spec: str, rows: int, block: int, fn, clusters: int) -> None:
+    """Block ``block``'s dK-type GEMM through :func:`compile_keys_mm`, checked against torch; every
+    accumulator row outside the pieces' key ranges must stay untouched (NaN)."""
+    import torch
+
+    from benchmarks.packed import documents
+
+    lens = documents(spec)
+    pc = block_pieces(lens, rows, block, align=rows)
+    kend = (block + 1) * rows
+    if not pc["docs"]:
+        print(f"[keys] {spec}: block {block} has no rows", flush=True)
+        return
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(sum(lens), D, device="cuda", dtype=torch.bfloat16, generator=g)
+    scratch = torch.randn(int(pc["cu_k"][-1]), kend, device="cuda", dtype=torch.bfloat16, generator=g)
+    acc = torch.full((pc["acc_rows"], D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tables = np.stack([np.append(pc["b_off"], 0), np.append(pc["d_off"], 0), pc["cu_keys"]]).astype(np.int32)
+    tables = torch.from_numpy(tables).cuda()
+    fn(scratch, q, acc, torch.from_numpy(pc["cu_k"]).cuda(), tables.contiguous(), clusters)
+    torch.cuda.synchronize()
+    worst, touched = 0.0, torch.zeros(pc["acc_rows"], dtype=torch.bool, device="cuda")
+    for i in range(len(pc["docs"])):
+        r0, r1, keys = int(pc["cu_k"][i]), int(pc["cu_k"][i + 1]), int(pc["keys"][i])
+        b, d = int(pc["b_off"][i]), int(pc["d_off"][i])
+        ref = scratch[r0:r1, :keys].float().T @ q[b:b + r1 - r0].float()
+        got = acc[d:d + keys].float()
+        err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+        worst = max(worst, err if err == err else float("inf"))
+        touched[d:d + -(-keys // 128) * 128] = True  # a piece's last tile may write up to its 128-row end
+    stray = int((~acc[~touched].isnan().all(dim=1)).sum().item()) if (~touched).any() else 0
+    ok = worst < 2e-2 and stray == 0
+    print(f"[keys] {spec}: block {block} of {rows} rows, {len(pc['docs'])} pieces, kend {kend}: max rel error "
+          f"{worst:.2e}, rows written outside the pieces {stray} ({'OK' if ok else 'WRONG'})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", default="mix16k,mix64k,4096")
@@ -257,6 +422,7 @@ def main():
     args = ap.parse_args()
     fn = compile_varlen_mm()
     table_fn = compile_table_mm()
+    keys_fn = compile_keys_mm()
     print("[aliased] launchers compiled", flush=True)
     if args.compile_only:
         return
@@ -270,6 +436,7 @@ def main():
     for spec in args.docs.split(","):
         for block in (0, 1):
             run_table(spec, 0, args.rows, block, table_fn, clusters)
+            run_keys(spec, args.rows, block, keys_fn, clusters)
 
 
 if __name__ == "__main__":
