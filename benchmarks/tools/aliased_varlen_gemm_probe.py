@@ -1,10 +1,10 @@
 """Probe for the packed GEMM backward under ``jit`` (issue #23, docs/design.md "Open: the packed GEMM
-backward under jit"): can one quack varlen-M GEMM read every document's keys in place?
+backward under jit"): can quack's varlen GEMMs address every document's rows and keys in place?
 
 The plan there indexes a launch's varlen entries by token position (``T`` entries, zero-length
 except where a document starts) and passes K as an overlapping view whose batch stride is ONE key row,
 so entry ``t``'s B operand starts at key ``t``: a document's scores ``S = Q_doc K_docᵀ`` come out of one
-launch for all documents, with no per-document gather. Two things are unknown until a GPU runs this:
+launch for all documents, with no per-document gather. Four things are unknown until a GPU runs this:
 
 1. whether the TMA descriptor of such an aliased view (batch stride = row stride) loads the right rows;
 2. what the tile scheduler's warp scan over ``T`` mostly empty entries costs, against the same GEMM with
