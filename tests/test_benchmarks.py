@@ -217,6 +217,18 @@ def test_aliased_probe_launchers_compile_with_their_managers_in_place_of_quacks(
     probe.compile_keys_mm()
     assert {"B", "D", "scheduler"} <= set(seen) and sm90.VarlenManager is VarlenManager
 
+    make_dq, stores = probe.dq_manager_class, []
+
+    def recording_dq():
+        cls = make_dq()
+        offset_epi = cls.offset_batch_epi
+        cls.offset_batch_epi = lambda self, *a: stores.append(type(self).__name__) or offset_epi(self, *a)
+        return cls
+
+    probe.dq_manager_class = recording_dq
+    probe.compile_dq_mm()
+    assert stores and set(stores) == {"DqManager"} and sm90.VarlenManager is VarlenManager
+
 
 def test_bwd_routes_tables_pair_the_routes():
     from benchmarks.bwd_routes import markdown, markdown_jax

@@ -19,11 +19,14 @@ launch for all documents, with no per-document gather. Four things are unknown u
    packed in the scratch at ``cu_seqlens_k``), ``Pᵀ`` from the scratch times the piece's q rows read in place
    (B's offsets from a table), written to an accumulator where each document starts at a multiple of the
    block rows (D's offsets from a table), on quack's ``VarlenMTileScheduler`` counting each piece's own key
-   tiles (``KeysManager``, ``keys_gemm_class``).
+   tiles (``KeysManager``, ``keys_gemm_class``);
+5. the plan's dQ GEMM of row block c: the dS scratch at ``cu_seqlens_m`` times the document's keys (the
+   aliased view again, now as K), written to the piece's dq rows in place (D's offsets from a table,
+   ``DqManager``).
 
 Prints, per document mix: the max error of each document's ``S[:, :L]`` vs torch (fp32 accumulate), and
 the ms of the aliased call vs the gathered one (same tiles computed); then the same check for block c of
-the table launcher and the keys launcher. One GPU, bf16, d512, Hkv 1.
+the table, keys and dq launchers. One GPU, bf16, d512, Hkv 1.
 
     python benchmarks/tools/aliased_varlen_gemm_probe.py [--docs mix16k,4096] [--keys 4096]
 
@@ -175,6 +178,110 @@ def compile_table_mm(dtype: str = "bfloat16"):
                make_fake_tensor(Int32, (lb,), divisibility=1))
     with quack_manager(table_manager_class()):
         return compile_launcher(TableMm(gemm), tensors, (Int32(1),))
+
+
+def dq_manager_class():
+    """``VarlenManager`` whose D (and C) rows start at a per-entry table (``params.cu_tiles_m``, int32
+    ``[L]``) instead of at ``cu_seqlens_m``; A, the scheduler and every length stay at ``cu_seqlens_m``."""
+    import cutlass.cute as cute
+    from cutlass import const_expr
+    from quack import copy_utils
+    from quack.varlen_utils import VarlenManager
+
+    class DqManager(VarlenManager):
+        @staticmethod
+        def create(params, len_m_static, len_k_static, len_n_static, *, loc=None, ip=None):
+            return DqManager(params, len_m_static=len_m_static, len_k_static=len_k_static,
+                             len_n_static=len_n_static)
+
+        def offset_batch_epi(self, mD_mnl, batch_idx):
+            if const_expr(not self.varlen_m):
+                return super().offset_batch_epi(mD_mnl, batch_idx)
+            offset = self.params.cu_tiles_m[batch_idx]
+            rank = const_expr(cute.rank(mD_mnl))
+            if const_expr(rank == 2):
+                return cute.domain_offset((offset, None), mD_mnl)
+            return copy_utils.offset_ragged_tensor(mD_mnl, offset, self.len_m(batch_idx), ragged_dim=0,
+                                                   ptr_shift=rank == 3)
+
+    return DqManager
+
+
+def compile_dq_mm(dtype: str = "bfloat16"):
+    """``dq[d_off[e] + r] = dS[cu_m[e] + r] @ K[e : e + kend]`` (varlen M over token-indexed entries): dS the
+    block's scratch ``(rows, kend)``, K the aliased key view ``(L, Kb >= kend, D)``, dq ``(T, D)``, cu_m int32
+    ``(L + 1,)``, d_off int32 ``(L,)``."""
+    from xattn.core.gemm_sm90 import CLUSTER_MNK, KIND_TILES, _scheduler
+    from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
+
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from quack.compile_utils import make_fake_tensor
+    from quack.gemm_default_epi import GemmDefaultSm90
+    from quack.varlen_utils import VarlenArguments
+
+    class DqMm:
+        def __init__(self, gemm):
+            self.gemm = gemm
+
+        @cute.jit
+        def __call__(self, mDs: cute.Tensor, mKeys: cute.Tensor, mDq: cute.Tensor, mCuM: cute.Tensor,
+                     mOffD: cute.Tensor, max_clusters: Int32, stream):
+            kend = mDs.shape[1]  # the keys this block's scores span: a prefix of each entry's view
+            keys = cute.make_tensor(mKeys.iterator, cute.make_layout(
+                (mKeys.shape[0], kend, mKeys.shape[2]), stride=mKeys.stride))
+            self.gemm(mDs, keys, mDq, None, GemmDefaultSm90.EpilogueArguments(), _scheduler(max_clusters),
+                      VarlenArguments(mCuSeqlensM=mCuM, mCuTilesM=mOffD), stream)
+
+    dt = CUTE_DTYPES[dtype]
+    gemm = GemmDefaultSm90(Float32, dt, KIND_TILES["mm_dq"], CLUSTER_MNK, pingpong=True, is_persistent=True,
+                           gather_A=False, concat_layout=None)
+    gemm.b_transposed = True  # the keys cross as (L, K = keys, N = D)
+    sym = cute.sym_int
+    rows, kend, lb, kb, d, t, l1 = sym(), sym(), sym(), sym(), sym(), sym(), sym()
+    tensors = (make_fake_tensor(dt, (rows, kend), leading_dim=1, divisibility=8),
+               make_fake_tensor(dt, (lb, kb, d), leading_dim=2, divisibility=8),
+               make_fake_tensor(dt, (t, d), leading_dim=1, divisibility=8),
+               make_fake_tensor(Int32, (l1,), divisibility=1),
+               make_fake_tensor(Int32, (lb,), divisibility=1))
+    with quack_manager(dq_manager_class()):
+        return compile_launcher(DqMm(gemm), tensors, (Int32(1),))
+
+
+def run_dq(spec: str, rows: int, block: int, fn, clusters: int) -> None:
+    """Block ``block``'s dQ-type GEMM through :func:`compile_dq_mm`, checked against torch; every dq row
+    outside the block's pieces must stay untouched (NaN)."""
+    import torch
+
+    from benchmarks.packed import documents
+
+    lens = documents(spec)
+    t = sum(lens)
+    kend = (block + 1) * rows
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kbuf = torch.zeros(t + kend, D, device="cuda", dtype=torch.bfloat16)
+    kbuf[:t] = torch.randn(t, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    aliased = kbuf.as_strided((t, kend, D), (D, D, 1))
+    cu, d_off = block_entries(lens, rows, block)  # the same rows as the P GEMM's: dq rows = q rows
+    ds = torch.randn(max(int(cu[-1]), 1), kend, device="cuda", dtype=torch.bfloat16, generator=g)
+    dq = torch.full((t, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fn(ds, aliased, dq, torch.from_numpy(cu).cuda(), torch.from_numpy(d_off).cuda(), clusters)
+    torch.cuda.synchronize()
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    worst, written = 0.0, torch.zeros(t, dtype=torch.bool, device="cuda")
+    for s, length in zip(starts[:-1], lens):
+        e0, e1 = int(cu[s]), int(cu[s + 1]) if s + 1 < len(cu) else int(cu[-1])
+        if e1 == e0 or length == 0:
+            continue
+        r0 = s + block * rows
+        ref = ds[e0:e1].float() @ kbuf[s:s + kend].float()
+        err = (dq[r0:r0 + e1 - e0].float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+        worst = max(worst, err if err == err else float("inf"))
+        written[r0:r0 + e1 - e0] = True
+    stray = int((~dq[~written].isnan().all(dim=1)).sum().item()) if (~written).any() else 0
+    ok = worst < 2e-2 and stray == 0
+    print(f"[dq] {spec}: block {block} of {rows} rows, kend {kend}: max rel error {worst:.2e}, rows written "
+          f"outside the pieces {stray} ({'OK' if ok else 'WRONG'})", flush=True)
 
 
 def run_table(spec: str, keys: int, rows: int, block: int, fn, clusters: int) -> None:
@@ -423,6 +530,7 @@ def main():
     fn = compile_varlen_mm()
     table_fn = compile_table_mm()
     keys_fn = compile_keys_mm()
+    dq_fn = compile_dq_mm()
     print("[aliased] launchers compiled", flush=True)
     if args.compile_only:
         return
@@ -437,6 +545,7 @@ def main():
         for block in (0, 1):
             run_table(spec, 0, args.rows, block, table_fn, clusters)
             run_keys(spec, args.rows, block, keys_fn, clusters)
+            run_dq(spec, args.rows, block, dq_fn, clusters)
 
 
 if __name__ == "__main__":
