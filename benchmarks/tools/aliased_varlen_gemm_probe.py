@@ -78,11 +78,11 @@ def block_entries(lens, rows: int, block: int) -> tuple[np.ndarray, np.ndarray]:
 def compile_varlen_mm(dtype: str = "bfloat16"):
     """``D[rows of entry e] = A[rows of entry e] @ B[e]ᵀ`` (varlen M), A ``(total_m, K)``, B ``(L, N, K)``
     (any strides: the aliased view crosses as it is), D ``(total_m, N)``, cu_seqlens_m int32 ``(L + 1,)``."""
-    from xattn.core.gemm_sm90 import CLUSTER_MNK, _scheduler
+    from xattn.core.gemm_sm90 import _scheduler
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Int32
     from quack.compile_utils import make_fake_tensor
     from quack.gemm_default_epi import GemmDefaultSm90
     from quack.varlen_utils import VarlenArguments
@@ -98,8 +98,7 @@ def compile_varlen_mm(dtype: str = "bfloat16"):
                       VarlenArguments(mCuSeqlensM=mCuM), stream)
 
     dt = CUTE_DTYPES[dtype]
-    gemm = GemmDefaultSm90(Float32, dt, TILE_MN, CLUSTER_MNK, pingpong=True, is_persistent=True, gather_A=False,
-                           concat_layout=None)
+    gemm = _gemm(GemmDefaultSm90, dt, TILE_MN)
     sym = cute.sym_int
     tm, n, k, lb, l1 = sym(), sym(), sym(), sym(), sym()
     tensors = (make_fake_tensor(dt, (tm, k), leading_dim=1, divisibility=8),
@@ -109,19 +108,36 @@ def compile_varlen_mm(dtype: str = "bfloat16"):
     return compile_launcher(VarlenMm(gemm), tensors, (Int32(1),))
 
 
+def _manager_base():
+    """quack's ``VarlenManager`` with a ``create`` that builds the subclass it is called on (quack's own
+    builds a ``VarlenManager``): the base of the probe's managers."""
+    from quack.varlen_utils import VarlenManager
+
+    class OwnCreate(VarlenManager):
+        @classmethod
+        def create(cls, params, len_m_static, len_k_static, len_n_static, *, loc=None, ip=None):
+            return cls(params, len_m_static=len_m_static, len_k_static=len_k_static, len_n_static=len_n_static)
+
+    return OwnCreate
+
+
+def _gemm(cls, dtype, tile):
+    """An instance of quack GEMM class ``cls`` (16-bit ``dtype`` operands, fp32 accumulate) with the
+    launchers' settings (:mod:`xattn.core.gemm_sm90`): cluster, pingpong, static persistent schedule."""
+    from xattn.core.gemm_sm90 import CLUSTER_MNK
+
+    from cutlass import Float32
+
+    return cls(Float32, dtype, tile, CLUSTER_MNK, pingpong=True, is_persistent=True, gather_A=False,
+               concat_layout=None)
+
+
 def table_manager_class():
     """``VarlenManager`` whose A rows start at a per-entry offset table (``params.cu_tiles_m``, int32
     ``[L]``) instead of at ``cu_seqlens_m``; D, the scheduler and every length stay at ``cu_seqlens_m``."""
     import cutlass.cute as cute
     from cutlass import const_expr
-    from quack.varlen_utils import VarlenManager
-
-    class TableManager(VarlenManager):
-        @staticmethod
-        def create(params, len_m_static, len_k_static, len_n_static, *, loc=None, ip=None):
-            return TableManager(params, len_m_static=len_m_static, len_k_static=len_k_static,
-                                len_n_static=len_n_static)
-
+    class TableManager(_manager_base()):
         def offset_batch_A(self, mA_mkl, batch_idx):
             if const_expr(self.varlen_m and cute.rank(mA_mkl) == 2):
                 return cute.domain_offset((self.params.cu_tiles_m[batch_idx], None), mA_mkl)
@@ -147,11 +163,11 @@ def quack_manager(cls):
 def compile_table_mm(dtype: str = "bfloat16"):
     """:func:`compile_varlen_mm` with A's rows at ``a_offsets[e]`` (int32 ``(L,)``, the last argument
     before ``max_clusters``): ``D[cu_m[e]:cu_m[e+1]] = A[a_off[e]:a_off[e] + len] @ B[e]ᵀ``."""
-    from xattn.core.gemm_sm90 import CLUSTER_MNK, _scheduler
+    from xattn.core.gemm_sm90 import _scheduler
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Int32
     from quack.compile_utils import make_fake_tensor
     from quack.gemm_default_epi import GemmDefaultSm90
     from quack.varlen_utils import VarlenArguments
@@ -167,8 +183,7 @@ def compile_table_mm(dtype: str = "bfloat16"):
                       VarlenArguments(mCuSeqlensM=mCuM, mCuTilesM=mOffA), stream)
 
     dt = CUTE_DTYPES[dtype]
-    gemm = GemmDefaultSm90(Float32, dt, TILE_MN, CLUSTER_MNK, pingpong=True, is_persistent=True, gather_A=False,
-                           concat_layout=None)
+    gemm = _gemm(GemmDefaultSm90, dt, TILE_MN)
     sym = cute.sym_int
     ta, td, n, k, lb, l1 = sym(), sym(), sym(), sym(), sym(), sym()
     tensors = (make_fake_tensor(dt, (ta, k), leading_dim=1, divisibility=8),
@@ -186,14 +201,7 @@ def dq_manager_class():
     import cutlass.cute as cute
     from cutlass import const_expr
     from quack import copy_utils
-    from quack.varlen_utils import VarlenManager
-
-    class DqManager(VarlenManager):
-        @staticmethod
-        def create(params, len_m_static, len_k_static, len_n_static, *, loc=None, ip=None):
-            return DqManager(params, len_m_static=len_m_static, len_k_static=len_k_static,
-                             len_n_static=len_n_static)
-
+    class DqManager(_manager_base()):
         def offset_batch_epi(self, mD_mnl, batch_idx):
             if const_expr(not self.varlen_m):
                 return super().offset_batch_epi(mD_mnl, batch_idx)
@@ -211,11 +219,11 @@ def compile_dq_mm(dtype: str = "bfloat16"):
     """``dq[d_off[e] + r] = dS[cu_m[e] + r] @ K[e : e + kend]`` (varlen M over token-indexed entries): dS the
     block's scratch ``(rows, kend)``, K the aliased key view ``(L, Kb >= kend, D)``, dq ``(T, D)``, cu_m int32
     ``(L + 1,)``, d_off int32 ``(L,)``."""
-    from xattn.core.gemm_sm90 import CLUSTER_MNK, KIND_TILES, _scheduler
+    from xattn.core.gemm_sm90 import KIND_TILES, _scheduler
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Int32
     from quack.compile_utils import make_fake_tensor
     from quack.gemm_default_epi import GemmDefaultSm90
     from quack.varlen_utils import VarlenArguments
@@ -234,8 +242,7 @@ def compile_dq_mm(dtype: str = "bfloat16"):
                       VarlenArguments(mCuSeqlensM=mCuM, mCuTilesM=mOffD), stream)
 
     dt = CUTE_DTYPES[dtype]
-    gemm = GemmDefaultSm90(Float32, dt, KIND_TILES["mm_dq"], CLUSTER_MNK, pingpong=True, is_persistent=True,
-                           gather_A=False, concat_layout=None)
+    gemm = _gemm(GemmDefaultSm90, dt, KIND_TILES["mm_dq"])
     gemm.b_transposed = True  # the keys cross as (L, K = keys, N = D)
     sym = cute.sym_int
     rows, kend, lb, kb, d, t, l1 = sym(), sym(), sym(), sym(), sym(), sym(), sym()
@@ -380,14 +387,7 @@ def keys_manager_class():
     import cutlass.cute as cute
     from cutlass import const_expr
     from quack import copy_utils
-    from quack.varlen_utils import VarlenManager
-
-    class KeysManager(VarlenManager):
-        @staticmethod
-        def create(params, len_m_static, len_k_static, len_n_static, *, loc=None, ip=None):
-            return KeysManager(params, len_m_static=len_m_static, len_k_static=len_k_static,
-                               len_n_static=len_n_static)
-
+    class KeysManager(_manager_base()):
         def offset_batch_B(self, mB_nkl, batch_idx):
             offset = self.params.cu_tiles_m[0, batch_idx]
             rank = const_expr(cute.rank(mB_nkl))
@@ -406,11 +406,11 @@ def compile_keys_mm(dtype: str = "bfloat16"):
     """``acc[d_off[p] + i] = sum_r P[cu_k[p] + r, i] · Q[b_off[p] + r]`` for keys ``i < keys[p]``: P the block's
     scratch ``(rows, kend)``, Q ``(T, D)``, acc ``(acc_rows, D)`` 16-bit (the fp32 accumulate of the plan adds C;
     this checks the addressing), cu_k int32 ``(P + 1,)``, tables int32 ``(3, P + 1)``: b_off, d_off, cu_keys."""
-    from xattn.core.gemm_sm90 import CLUSTER_MNK, KIND_TILES, _scheduler
+    from xattn.core.gemm_sm90 import KIND_TILES, _scheduler
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Int32
     from quack.compile_utils import make_fake_tensor
     from quack.varlen_utils import VarlenArguments
 
@@ -431,8 +431,7 @@ def compile_keys_mm(dtype: str = "bfloat16"):
                       _scheduler(max_clusters), VarlenArguments(mCuSeqlensK=mCuK, mCuTilesM=mTables), stream)
 
     dt = CUTE_DTYPES[dtype]
-    gemm = keys_gemm_class()(Float32, dt, KIND_TILES["acc"], CLUSTER_MNK, pingpong=True, is_persistent=True,
-                             gather_A=False, concat_layout=None)
+    gemm = _gemm(keys_gemm_class(), dt, KIND_TILES["acc"])
     sym = cute.sym_int
     rows, kend, t, d, acc_rows, p1 = sym(), sym(), sym(), sym(), sym(), sym()
     tensors = (make_fake_tensor(dt, (rows, kend), leading_dim=1, divisibility=8),
