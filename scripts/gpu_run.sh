@@ -22,8 +22,9 @@
 #   packed-profile  benchmarks/tools/packed_profile.py (CUDA time per kernel, packed vs dense backward; PACKED_DOCS)
 #   diag-probe   benchmarks/tools/diag_pieces_probe.py (causal GEMM backward per diagonal block plan; DIAG_SEQLENS,
 #                DIAG_SHAPES, DIAG_VARIANTS, DIAG_REPEATS)
-#   aliased-probe  benchmarks/tools/aliased_varlen_gemm_probe.py (the varlen GEMM ingredients of the packed backward
-#                under jit, checked vs torch; ALIASED_DOCS, ALIASED_KEYS; docs/design.md, the open #23 design)
+#   aliased-probe[-CHECK]  benchmarks/tools/aliased_varlen_gemm_probe.py (the varlen GEMM ingredients of the packed
+#                backward under jit, checked vs torch; CHECK one of aliased, table, keys, dq (default all); ALIASED_DOCS,
+#                ALIASED_KEYS; docs/design.md, the open #23 design)
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
@@ -70,47 +71,48 @@ for step in "$@"; do
     cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;
     redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
-    probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
-    e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep -v Warning \
+    probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
+    e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -70 ;;
     packed) [ -f benchmarks/results/packed_h200.json ] && [ ! -f "$OUT/results/packed_h200.json" ] \
               && cp benchmarks/results/packed_h200.json "$OUT/results/packed_h200.json"
             timeout "$t" python benchmarks/packed.py --frameworks "${PACKED_FRAMEWORKS:-torch,jax}" \
-              ${PACKED_DOCS:+--docs "$PACKED_DOCS"} --out "$OUT/results/packed_h200.json" 2>&1 | grep -v Warning \
+              ${PACKED_DOCS:+--docs "$PACKED_DOCS"} --out "$OUT/results/packed_h200.json" 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -16 ;;
     decode) [ -f benchmarks/results/decode_h200.json ] && [ ! -f "$OUT/results/decode_h200.json" ] \
               && cp benchmarks/results/decode_h200.json "$OUT/results/decode_h200.json"
             timeout "$t" python benchmarks/decode.py --impls "${DECODE_IMPLS:-ffpa,sdpa,flash_attention_2}" \
               --modes "${DECODE_MODES:-eager,graphs}" --prompt "${DECODE_PROMPT:-8192}" --rounds "${DECODE_ROUNDS:-1}" \
-              --out "$OUT/results/decode_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
+              --out "$OUT/results/decode_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     decode-profile) [ -f benchmarks/results/decode_profile_h200.json ] && [ ! -f "$OUT/results/decode_profile_h200.json" ] \
               && cp benchmarks/results/decode_profile_h200.json "$OUT/results/decode_profile_h200.json"
             timeout "$t" python benchmarks/tools/decode_profile.py --mode "${DECODE_PROFILE_MODE:-eager}" --impl "${DECODE_PROFILE_IMPL:-ffpa}" \
               --label "${DECODE_PROFILE_LABEL:-}" --out "$OUT/results/decode_profile_h200.json" 2>&1 \
-              | grep -v Warning | tee -a "$OUT/probe.log" | tail -60 ;;
+              | grep --line-buffered -v Warning | tee -a "$OUT/probe.log" | tail -60 ;;
     e2e-packed-*|e2e-check) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
               && cp benchmarks/results/e2e_gemma4_h200.json "$OUT/results/e2e_gemma4_h200.json"
             part=${step#e2e-packed-}; extra="--packed"
             [ "$step" = e2e-check ] && part=torch && extra="--packed --check"
             timeout "$t" python benchmarks/e2e_gemma4.py --parts "$part" --seqlens "${E2E_SEQLENS:-16384}" $extra \
-              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} ${E2E_TIMEOUT:+--timeout "$E2E_TIMEOUT"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
+              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} ${E2E_TIMEOUT:+--timeout "$E2E_TIMEOUT"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -16 ;;
     e2e-*) [ -f benchmarks/results/e2e_gemma4_h200.json ] && [ ! -f "$OUT/results/e2e_gemma4_h200.json" ] \
               && cp benchmarks/results/e2e_gemma4_h200.json "$OUT/results/e2e_gemma4_h200.json"
             timeout "$t" python benchmarks/e2e_gemma4.py --parts "${step#e2e-}" --seqlens "${E2E_SEQLENS:-8192,16384,32768}" \
-              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} ${E2E_TIMEOUT:+--timeout "$E2E_TIMEOUT"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep -v Warning \
+              ${E2E_IMPLS:+--impls "$E2E_IMPLS"} ${E2E_TIMEOUT:+--timeout "$E2E_TIMEOUT"} --out "$OUT/results/e2e_gemma4_h200.json" 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -16 ;;
     bwd-routes) timeout "$t" python benchmarks/bwd_routes.py --seqlens "${BWD_SEQLENS:-8192,16384}" \
               --frameworks "${BWD_FRAMEWORKS:-torch,jax}" --dtypes "${BWD_DTYPES:-bfloat16,float16}" --routes "${BWD_ROUTES:-ffpa,gemm}" --shapes "${BWD_SHAPES:-32/4/causal,16/16/full,16/16/causal}" \
-              --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
+              --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     packed-profile) timeout "$t" python benchmarks/tools/packed_profile.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} 2>&1 \
-              | grep -v Warning | tee -a "$OUT/steps.log" | tail -120 ;;
+              | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -120 ;;
     diag-probe) timeout "$t" python benchmarks/tools/diag_pieces_probe.py ${DIAG_SEQLENS:+--seqlens "$DIAG_SEQLENS"} \
               ${DIAG_SHAPES:+--shapes "$DIAG_SHAPES"} ${DIAG_VARIANTS:+--variants "$DIAG_VARIANTS"} \
-              ${DIAG_REPEATS:+--repeats "$DIAG_REPEATS"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
-    aliased-probe) timeout "$t" python benchmarks/tools/aliased_varlen_gemm_probe.py ${ALIASED_DOCS:+--docs "$ALIASED_DOCS"} \
-              ${ALIASED_KEYS:+--keys "$ALIASED_KEYS"} 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
-    bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
+              ${DIAG_REPEATS:+--repeats "$DIAG_REPEATS"} 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
+    aliased-probe*) checks=${step#aliased-probe}; timeout "$t" python -u benchmarks/tools/aliased_varlen_gemm_probe.py \
+              ${checks:+--checks "${checks#-}"} ${ALIASED_DOCS:+--docs "$ALIASED_DOCS"} \
+              ${ALIASED_KEYS:+--keys "$ALIASED_KEYS"} 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
+    bwd-profile) timeout "$t" python benchmarks/tools/gemm_bwd_profile.py 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -80 ;;
     host-cost) [ -f benchmarks/results/host_cost_h200.json ] && [ ! -f "$OUT/results/host_cost_h200.json" ] \
               && cp benchmarks/results/host_cost_h200.json "$OUT/results/host_cost_h200.json"
             [ -f .gpu/before.tar ] && rm -rf /var/tmp/before && mkdir -p /var/tmp/before \
@@ -119,22 +121,22 @@ for step in "$@"; do
               if [ -f .gpu/before.tar ]; then  # the tools put their repo first on sys.path: run from a copy
                 (cd /var/tmp/before && timeout "$(left)" python benchmarks/tools/host_cost.py --label before \
                   --commit "${HOST_COST_BEFORE:-before}" --out "$OUT/results/host_cost_h200.json") 2>&1 \
-                  | grep -v Warning | tee -a "$OUT/steps.log" | grep " us " ; fi
+                  | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | grep " us " ; fi
               timeout "$(left)" python benchmarks/tools/host_cost.py --label after ${HOST_COST_AFTER:+--commit "$HOST_COST_AFTER"} --out "$OUT/results/host_cost_h200.json" \
-                2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | grep " us "
+                2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | grep " us "
             done ;;
     memory) timeout "$t" python benchmarks/memory_growth.py --out "$OUT/results/memory_growth_h200.json" 2>&1 \
-              | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
+              | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     jax-probe) spy=""
             if [ -f .gpu/tools/py-spy.xz ]; then xz -dc .gpu/tools/py-spy.xz > /var/tmp/py-spy && chmod +x /var/tmp/py-spy \
               && spy="--py-spy /var/tmp/py-spy"; fi
             timeout "$t" python benchmarks/tools/jax_two_gpu_probe.py --timeout "${PROBE_TIMEOUT:-45}" $spy --repeat "${PROBE_REPEAT:-1}" ${PROBE_CASES:-} 2>&1 \
-              | grep -v Warning > "$OUT/probe.log"; grep "probe" "$OUT/probe.log" | tail -20 ;;
-    timing) timeout "$t" python benchmarks/tools/timing_method_probe.py 2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
+              | grep --line-buffered -v Warning > "$OUT/probe.log"; grep "probe" "$OUT/probe.log" | tail -20 ;;
+    timing) timeout "$t" python benchmarks/tools/timing_method_probe.py 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     ring-*) [ -f benchmarks/results/ring_h200x2.json ] && [ ! -f "$OUT/results/ring_h200x2.json" ] \
               && cp benchmarks/results/ring_h200x2.json "$OUT/results/ring_h200x2.json"
             timeout "$t" python benchmarks/ring.py --parts "${step#ring-}" --out "$OUT/results/ring_h200x2.json" \
-              2>&1 | grep -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
+              2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     full-*) timeout "$t" python benchmarks/full.py --part "${step#full-}" --append --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
     *) echo "unknown step $step" >&2 ;;

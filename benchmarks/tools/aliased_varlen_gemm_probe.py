@@ -519,18 +519,31 @@ def run_keys(spec: str, rows: int, block: int, fn, clusters: int) -> None:
           f"{worst:.2e}, rows written outside the pieces {stray} ({'OK' if ok else 'WRONG'})", flush=True)
 
 
+CHECKS = ("aliased", "table", "keys", "dq")
+
+
 def main():
+    import faulthandler
+    import time
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", default="mix16k,mix64k,4096")
     ap.add_argument("--keys", type=int, default=4096, help="the launch's N (static), capped at the longest document")
     ap.add_argument("--rows", type=int, default=1024, help="row block of the table launcher's check")
+    ap.add_argument("--checks", default=",".join(CHECKS), help=f"which of {', '.join(CHECKS)} (their launchers only)")
     ap.add_argument("--compile-only", action="store_true", help="compile the launcher (works on a CPU machine)")
     args = ap.parse_args()
-    fn = compile_varlen_mm()
-    table_fn = compile_table_mm()
-    keys_fn = compile_keys_mm()
-    dq_fn = compile_dq_mm()
-    print("[aliased] launchers compiled", flush=True)
+    checks = args.checks.split(",")
+    if unknown := set(checks) - set(CHECKS):
+        ap.error(f"--checks: unknown {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    t0 = time.perf_counter()
+    say = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)  # noqa: E731
+    faulthandler.dump_traceback_later(60, repeat=True)  # a hung kernel shows where the host waits
+    compilers = dict(aliased=compile_varlen_mm, table=compile_table_mm, keys=compile_keys_mm, dq=compile_dq_mm)
+    fns = {}
+    for name in checks:
+        fns[name] = compilers[name]()
+        say(f"{name}: launcher compiled")
     if args.compile_only:
         return
     import torch
@@ -539,12 +552,16 @@ def main():
 
     clusters = max_active_clusters(torch.cuda.get_device_properties(0).multi_processor_count)
     for spec in args.docs.split(","):
-        run(spec, args.keys, fn, clusters)
-    for spec in args.docs.split(","):
+        if "aliased" in fns:
+            run(spec, args.keys, fns["aliased"], clusters)
         for block in (0, 1):
-            run_table(spec, 0, args.rows, block, table_fn, clusters)
-            run_keys(spec, args.rows, block, keys_fn, clusters)
-            run_dq(spec, args.rows, block, dq_fn, clusters)
+            if "table" in fns:
+                run_table(spec, 0, args.rows, block, fns["table"], clusters)
+            if "keys" in fns:
+                run_keys(spec, args.rows, block, fns["keys"], clusters)
+            if "dq" in fns:
+                run_dq(spec, args.rows, block, fns["dq"], clusters)
+        say(f"{spec} done")
 
 
 if __name__ == "__main__":
