@@ -26,6 +26,8 @@ def _check_layouts(kind, args) -> None:
     16-byte aligned (views at an offset: the diagonal pieces), and acc's C and D of different lengths."""
     arrays = [np.from_dlpack(a) for a in args if hasattr(a, "__dlpack__")]
     for n, x in enumerate(arrays):
+        if x.dtype == np.int32:  # the packed route's tables: plain loads, any stride
+            continue
         if x.size and x.strides[-1] != x.itemsize:
             raise ValueError(f"{kind}: tensor #{n} has last stride {x.strides[-1] // x.itemsize}, expected 1")
         if x.size and (x.ctypes.data % 16 or any(st % 16 for st, e in zip(x.strides[:-1], x.shape[:-1]) if e > 1)):
@@ -35,11 +37,65 @@ def _check_layouts(kind, args) -> None:
         raise ValueError(f"{kind}: C has {arrays[2].shape[1]} rows, D {arrays[3].shape[1]}: expected to match")
 
 
+SEG_TILE_ROWS = 256  # seg_acc stores whole clusters of two 128-row tiles (xattn.core.gemm_segments_sm90)
+
+
+def _pieces(tables, cu_rows):
+    """``(p, first scratch row, rows, table column)`` of the pieces with rows."""
+    t, cu = np.from_dlpack(tables), np.from_dlpack(cu_rows)
+    return [(p, int(cu[p]), int(cu[p + 1] - cu[p]), t[:, p]) for p in range(len(cu) - 1) if cu[p + 1] > cu[p]]
+
+
+def _doc_keys(keys, start, kend):
+    k = np.from_dlpack(keys)
+    if start + kend > k.shape[0]:
+        raise ValueError(f"the key view reads rows [{start}, {start + kend}) of {k.shape[0]}: no spare rows")
+    return k[start:start + kend].astype(np.float32)
+
+
+def _segment(kind, args) -> None:
+    """The packed route's launchers (xattn.core.gemm_segments_sm90): per piece, what the kernels compute,
+    including the whole 256-row tiles seg_acc stores past a piece's keys (C + 0 there)."""
+    if kind == "seg_probs":
+        q, k, tables, cu, rowbias, rowpos, colpos, d, pf, scale_log2, _ = args
+        kend = d.shape[1]
+        for _, r0, n, col in _pieces(tables, cu):
+            s = _f(q)[col[0]:col[0] + n] @ _doc_keys(k, col[1], kend).T * float(scale_log2)
+            s += _f(rowbias)[r0:r0 + n, None]
+            s -= MASK_PENALTY * np.maximum(_f(colpos)[None, :kend] - _f(rowpos)[r0:r0 + n, None], 0)
+            np.from_dlpack(d)[r0:r0 + n] = np.from_dlpack(pf)[r0:r0 + n] = np.exp2(s)
+    elif kind == "seg_grad_scores":
+        do, v, tables, cu, pf, delta, d, scale, _ = args
+        kend = d.shape[1]
+        for _, r0, n, col in _pieces(tables, cu):
+            dp = _f(do)[col[0]:col[0] + n] @ _doc_keys(v, col[1], kend).T
+            np.from_dlpack(d)[r0:r0 + n] = (dp - _f(delta)[r0:r0 + n, None]) * _f(pf)[r0:r0 + n] * float(scale)
+    elif kind == "seg_mm_dq":
+        ds, k, tables, cu, dq_in, dq, _ = args
+        for _, r0, n, col in _pieces(tables, cu):
+            np.from_dlpack(dq)[col[0]:col[0] + n] = _f(ds)[r0:r0 + n] @ _doc_keys(k, col[1], ds.shape[1])
+    else:  # seg_acc
+        x, y, tables, cu, c, d, _ = args
+        kend, t = x.shape[1], np.from_dlpack(tables)
+        for p, r0, n, col in _pieces(tables, cu):
+            keys = int(t[3, p + 1] - t[3, p])
+            if keys == 0:
+                continue
+            m = -(-keys // SEG_TILE_ROWS) * SEG_TILE_ROWS
+            xt = np.zeros((m, n), np.float32)
+            xt[:min(m, kend)] = _f(x)[r0:r0 + n, :m].T
+            acc = np.from_dlpack(d)
+            stop = min(col[2] + m, acc.shape[0])
+            acc[col[2]:stop] = (xt @ _f(y)[col[0]:col[0] + n] + _f(c)[col[2]:col[2] + m])[:stop - col[2]]
+
+
 def make(spec: GemmSpec):
     def launcher(*args):
         CALLS.append(spec.kind)
         _check_layouts(spec.kind, args)
-        if spec.kind == "probs_causal":
+        if spec.kind.startswith("seg_"):
+            _segment(spec.kind, args)
+        elif spec.kind == "probs_causal":
             a, b, rowbias, rowpos, colpos, d, pf, scale_log2, _ = args
             n = d.shape[2]
             x = np.einsum("lmk,lnk->lmn", _f(a), _f(b)[:, :n]) * float(scale_log2) + _f(rowbias)[:, :, None]

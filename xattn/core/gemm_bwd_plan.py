@@ -54,7 +54,7 @@ from dataclasses import dataclass
 __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes",
            "route_table",
            "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
-           "varlen_workspace_bytes", "split_short_groups"]
+           "varlen_workspace_bytes", "split_short_groups", "SegmentPlan", "segment_plan"]
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
@@ -374,3 +374,68 @@ def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, he
     sub = 4 * elem_bytes * (tq * heads_q + tk * heads_kv) * head_dim + 4 * heads_q * tq
     sub += 8 * (tq + tk + 2 * len(short) + 2)
     return max(per_row + worst, sub + fused)
+
+
+# --- packed problems under jit: one GEMM per row block over every document (traced lengths) -------
+
+SEGMENT_ROWS = 512  # row block of the segmented route: a document of L rows computes ~L·rows/2 masked
+# work past its diagonal (blocks are whole); counted on benchmarks/packed.py's mixes, work / causal work:
+# mix16k 1.10x / 1.21x / 1.45x and mix64k 1.06x / 1.13x / 1.27x at 256 / 512 / 1024 rows, while each
+# halving doubles the launches (5 per block)
+# each document's dK/dV accumulator rows start at a multiple of this: seg_acc's cluster of two 128-row tiles
+# stores whole tiles, up to 256 rows past a piece's first key row (no two documents share one)
+SEGMENT_ACC_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Static plan of the segmented GEMM backward (:mod:`xattn.core.gemm_segments_sm90`) for ``total``
+    packed tokens in at most ``slots`` documents of at most ``max_seqlen`` tokens each.
+
+    ``blocks[c] = (kend, max_rows)``: block c's key count (every piece's scores span keys
+    ``[0, kend)`` of its document) and a bound on its rows per KV head, in tokens (a document of L
+    tokens has ``min(rows, L − c·rows)`` rows in it, at most ``L / (c + 1)``; so at most
+    ``total // (c + 1)`` and ``slots · rows``). ``head_groups``: ``(first, count)`` KV heads per launch
+    (the block's scores fit the budget). ``spare_keys``: rows after each head's keys that the
+    overlapping key view may read; ``acc_rows``: accumulator rows per KV head."""
+
+    rows: int
+    blocks: tuple
+    head_groups: tuple
+    spare_keys: int
+    acc_rows: int
+
+
+def segment_plan(total: int, slots: int, max_seqlen: int, heads_q: int, heads_kv: int, causal: bool,
+                 budget: int | None = None, rows: int | None = None) -> SegmentPlan:
+    """The blocks and launches of one segmented backward (see :class:`SegmentPlan`). ``rows``
+    (default :data:`SEGMENT_ROWS`, halved down to :data:`MIN_BLOCK_ROWS` until one KV head's block
+    fits ``budget``) is a multiple of :data:`ROW_ALIGN`."""
+    budget = budget_bytes() if budget is None else budget
+    g = heads_q // heads_kv
+    longest = _align(max(min(max_seqlen, total), 1), ROW_ALIGN)
+    fixed = rows is not None
+    rows = SEGMENT_ROWS if rows is None else rows
+    if rows < ROW_ALIGN or rows % ROW_ALIGN:
+        raise ValueError(f"rows={rows}: expected a positive multiple of {ROW_ALIGN}")
+
+    def blocks_of(r):
+        out = []
+        for c in range(-(-longest // r)):
+            kend = min((c + 1) * r, longest) if causal else longest
+            out.append((kend, max(1, min(total // (c + 1), slots * r, total))))
+        return tuple(out)
+
+    def head_bytes(bl):  # the largest block's P, fp16 P and dS for one KV head
+        return max(BYTES_PER_SCORE * g * m * kend for kend, m in bl)
+
+    blocks = blocks_of(rows)
+    while not fixed and rows > MIN_BLOCK_ROWS and head_bytes(blocks) > budget:
+        rows //= 2
+        blocks = blocks_of(rows)
+    per_launch = max(1, min(heads_kv, budget // max(head_bytes(blocks), 1)))
+    while heads_kv % per_launch:
+        per_launch -= 1
+    groups = tuple((h, per_launch) for h in range(0, heads_kv, per_launch))
+    acc_rows = _align(total + slots * (SEGMENT_ACC_ALIGN - 1), SEGMENT_ACC_ALIGN)
+    return SegmentPlan(rows, blocks, groups, max(kend for kend, _ in blocks), acc_rows)

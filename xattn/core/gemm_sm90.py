@@ -16,6 +16,7 @@ kind              parameters (inputs, then outputs)            computes
                                                                from ``c_rows`` on are read as 0)
 ``mm_dq``         X, Y -> D                                    ``D = X Y[:, :K]``
 ``mm_kv``         X, Y -> D                                    ``D[:, :M] = Xᵀ Y``
+``seg_*``         the packed route's four (:mod:`xattn.core.gemm_segments_sm90`, compiled there)
 ================  ===========================================  ============================================
 
 All tensors are batched over a leading L and cross in their natural row-major form (last dim
@@ -57,13 +58,16 @@ from quack.compile_utils import make_fake_tensor  # noqa: E402
 __all__ = ["GemmSpec", "KINDS", "P_KINDS", "P_DTYPES", "D32_KINDS", "compile_gemm", "max_active_clusters",
            "source_digest"]
 
-KINDS = ("probs_causal", "probs_full", "grad_scores", "acc", "mm_dq", "mm_kv")
+# the dense route's kinds, then the packed route's (xattn.core.gemm_segments_sm90)
+KINDS = ("probs_causal", "probs_full", "grad_scores", "acc", "mm_dq", "mm_kv",
+         "seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")
 TILE_MN = (128, 192)
 # The GEMMs whose N is the head dim (dK/dV, dq): 512 on 192-wide tiles computes 576 columns. H200, torch
 # backward TFLOP/s, default -> (128, 128) (benchmarks/tools/diag_pieces_probe.py,
 # results/logs/diag_tiles_probe_h200.log): Hq16/Hkv16 causal 8k 375.7 -> 377.5, 16k 392.7 -> 409.4;
 # Hq32/Hkv4 causal 8k 379.9 -> 390.1, 16k 429.1 -> 440.9 ((64, 256) and (128, 256) were slower).
-KIND_TILES = {"acc": (128, 128), "mm_dq": (128, 128), "mm_kv": (128, 128)}
+KIND_TILES = {"acc": (128, 128), "mm_dq": (128, 128), "mm_kv": (128, 128), "seg_mm_dq": (128, 128),
+              "seg_acc": (128, 128)}
 CLUSTER_MNK = (2, 1, 1)
 P_KINDS = ("probs_causal", "probs_full", "grad_scores")  # the kinds that write or read pf
 D32_KINDS = ("acc", "mm_kv")  # the kinds that may write an fp32 accumulator (d32)
@@ -78,7 +82,7 @@ def source_digest() -> str:
     """Digest of the sources that shape these launchers (this file and the epilogues)."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("gemm_sm90.py", "gemm_bwd_epilogues.py"):
+    for name in ("gemm_sm90.py", "gemm_bwd_epilogues.py", "gemm_segments_sm90.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -229,6 +233,10 @@ def compile_gemm(spec: GemmSpec):
         raise ValueError(f"unknown GEMM launcher kind {spec.kind!r}; expected one of {KINDS}")
     if spec.d32 and spec.kind not in D32_KINDS:
         raise ValueError(f"d32 is for the {D32_KINDS} launchers only, not {spec.kind!r}")
+    if spec.kind.startswith("seg_"):
+        from .gemm_segments_sm90 import compile_segment_gemm
+
+        return compile_segment_gemm(spec)
     cls = _epi_class(spec.kind)
     dt = CUTE_DTYPES[spec.dtype]
     pingpong = spec.tile[0] * spec.tile[1] <= TILE_MN[0] * TILE_MN[1]  # larger tiles: cooperative (registers)

@@ -1,0 +1,59 @@
+"""The segmented GEMM backward's JAX driver (packed batches under jit) on the CPU: real FFI plumbing with
+NumPy stand-ins of the seg_* launchers (tests/numpy_gemm.py), vs the fp64 reference backward."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+from tests import numpy_gemm  # noqa: E402
+from tests.jax import numpy_launcher  # noqa: E402
+from xattn.core import gemm_bwd_plan as plan_mod  # noqa: E402
+from xattn.jax import _ffi  # noqa: E402
+from xattn.jax.gemm_bwd_segments import gemm_backward_segments  # noqa: E402
+from xattn.jax.reference import attention_reference, attention_reference_bwd, varlen_visible  # noqa: E402
+
+
+@pytest.fixture
+def standin():
+    _ffi.set_launcher_provider(numpy_gemm.provider(numpy_launcher.provider))
+    numpy_gemm.CALLS.clear()
+    yield
+    _ffi.set_launcher_provider(None)
+
+
+def _reference(q, k, v, dout, cu, scale, causal):
+    f = lambda x: x.astype(jnp.float32)[None]  # noqa: E731
+    mask = varlen_visible(cu, cu, q.shape[0], k.shape[0], causal, (None, None))
+    out, lse = attention_reference(f(q), f(k), f(v), scale=scale, mask=mask)
+    grads = attention_reference_bwd(f(dout), f(q), f(k), f(v), out, lse, scale=scale, mask=mask)
+    return out[0], lse[0], [g[0] for g in grads]
+
+
+@pytest.mark.parametrize("lens, hq, hkv, causal, rows, slots", [
+    ((0, 1, 17, 100, 45), 4, 2, True, 16, 5),     # zero-length and 1-token documents, several blocks, GQA 2
+    ((37, 64, 5), 3, 3, True, 24, 4),             # a spare slot (cu repeats its end), no GQA
+    ((70, 33), 8, 1, False, 16, 2),               # not causal, GQA 8
+    ((130,), 2, 1, True, 64, 1),                  # one document, blocks past it
+])
+def test_segments_vs_fp64(standin, lens, hq, hkv, causal, rows, slots):
+    d, total = 32, sum(lens) + 3  # 3 tokens after the last document: zero gradients
+    rng = np.random.default_rng(sum(lens))
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)  # noqa: E731
+    q, k, v, dout = mk(total, hq, d), mk(total, hkv, d), mk(total, hkv, d), mk(total, hq, d)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = jnp.asarray(np.concatenate([cu, [cu[-1]] * (slots + 1 - len(cu))]).astype(np.int32))
+    scale = d ** -0.5
+    out, lse, want = _reference(q, k, v, dout, cu, scale, causal)
+    fn = jax.jit(lambda *a: gemm_backward_segments(*a, max_seqlen=max(lens), softmax_scale=scale, causal=causal,
+                                                   rows=rows))
+    got = fn(dout, q, k, v, out.astype(q.dtype), lse, cu)
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert x.shape == r.shape and x.dtype == q.dtype, name
+        err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)))
+        assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r)))), (name, err)
+        assert not np.any(np.asarray(x[sum(lens):], np.float32)), name  # past the last document
+    assert set(numpy_gemm.CALLS) == {"seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc"}
+    p = plan_mod.segment_plan(total, slots, max(lens), hq, hkv, causal, rows=rows)
+    assert len(numpy_gemm.CALLS) == 5 * len(p.blocks) * len(p.head_groups)
