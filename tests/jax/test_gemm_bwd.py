@@ -174,18 +174,26 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
     import dataclasses
 
     same = dataclasses.replace(cfg, same_segments=True)
+    monkeypatch.setattr(jv, "SEGMENT_GEMM_BY_DEFAULT", False)
     with caplog.at_level(logging.DEBUG, logger="xattn"):
-        assert jv._padded_gemm_route(same, spec, q, k, cu)
-        assert not jv._padded_gemm_route(cfg, spec, q, k, cu)  # causal, cu_seqlens_q is not cu_seqlens_k
+        assert jv._packed_gemm_route(same, spec, q, k, cu) == "padded"
+        assert jv._packed_gemm_route(cfg, spec, q, k, cu) is None  # causal, cu_seqlens_q is not cu_seqlens_k
         loose = dataclasses.replace(same, max_seqlen_q=128, max_seqlen_k=128)
-        assert not jv._padded_gemm_route(loose, spec, q, k, cu)
+        assert jv._packed_gemm_route(loose, spec, q, k, cu) is None  # the segmented route is off by default
+        full = dataclasses.replace(jv._config("ffpa", q, None, False, (None, None), "kernel", 128, 128))
+        assert jv._packed_gemm_route(full, spec, q, k, cu) is None  # loose, and two cu_seqlens objects
     assert "needs cu_seqlens_q is cu_seqlens_k" in caplog.text and "would cost more" in caplog.text
+    assert "SEGMENT_GEMM_BY_DEFAULT" in caplog.text
+    monkeypatch.setattr(jv, "SEGMENT_GEMM_BY_DEFAULT", True)
+    assert jv._packed_gemm_route(loose, spec, q, k, cu) == "segments"
     monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", False)  # the switch that leaves it to XATTN_BWD_ROUTE=gemm
-    assert not jv._padded_gemm_route(same, spec, q, k, cu)
+    assert jv._packed_gemm_route(same, spec, q, k, cu) is None
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     forced = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)
     with pytest.raises(ValueError, match="XATTN_BWD_ROUTE=gemm"):
-        jv._padded_gemm_route(forced, spec, q, k, cu)
+        jv._packed_gemm_route(forced, spec, q, k, cu)
+    assert jv._packed_gemm_route(dataclasses.replace(forced, same_segments=True, max_seqlen_q=128,
+                                                     max_seqlen_k=128), spec, q, k, cu) == "segments"
 
 
 def test_varlen_attention_grads_on_the_padded_route(standin, monkeypatch):

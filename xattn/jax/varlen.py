@@ -108,7 +108,7 @@ def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
 
 def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):
     """``(dq, dk, dv)`` of one packed call from the given out/lse, on FFPA's/FA4's varlen backward or
-    (:func:`_padded_gemm_route`) the padded GEMM backward; no checks, as :func:`varlen_forward_call`."""
+    (:func:`_packed_gemm_route`) a GEMM backward; no checks, as :func:`varlen_forward_call`."""
     c = cfg.base
     if c.backend == "reference":
         c.plan("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
@@ -119,12 +119,18 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
     spec = c.spec("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing was computed: every gradient is 0
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    if _padded_gemm_route(cfg, spec, q, k, cu_q):
+    gemm_route = _packed_gemm_route(cfg, spec, q, k, cu_q)
+    if gemm_route == "padded":
         from .gemm_bwd import gemm_backward_padded
 
         return gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=cfg.max_seqlen_q,
                                     max_seqlen_k=cfg.max_seqlen_k, softmax_scale=c.scale, causal=c.causal,
                                     budget=c.bwd_route[1])
+    if gemm_route == "segments":
+        from .gemm_bwd_segments import gemm_backward_segments
+
+        return gemm_backward_segments(dout, q, k, v, out, lse, cu_q, max_seqlen=cfg.max_seqlen_q,
+                                      softmax_scale=c.scale, causal=c.causal, budget=c.bwd_route[1])
     ws = bwd_workspace_shapes(spec, cu_q.shape[0] - 1, cfg.max_seqlen_q, cfg.max_seqlen_k, q.shape[0],
                               k.shape[0], q.shape[1], k.shape[1])
     outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
@@ -137,38 +143,53 @@ PADDED_GEMM_MAX_FILL = 1.125  # B * max_seqlen <= this x T: the documents are ab
 # "auto" takes the padded GEMM route where it applies (GPU-verified: tests/jax/test_gemm_bwd_gpu.py,
 # results/logs/gpu_tests_h200_diag_pieces.log); False would leave it to XATTN_BWD_ROUTE=gemm.
 PADDED_GEMM_BY_DEFAULT = True
+# "auto" takes the segmented GEMM route (documents of any lengths, cu_seqlens_q is cu_seqlens_k) where the
+# measured table picks the GEMMs at max_seqlen; False leaves it to XATTN_BWD_ROUTE=gemm.
+SEGMENT_GEMM_BY_DEFAULT = False
 
 
-def _padded_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> bool:
-    """Whether a packed backward runs on the GEMM route, decided from static shapes alone (under
-    ``jit`` the document lengths are traced values): the documents padded to ``max_seqlen`` must cost
-    little more than they are (``B * max_seqlen <= 1.125 * T``, both sides), the measured table must
-    pick the GEMMs at that key length, and a causal call needs ``cu_seqlens_q is cu_seqlens_k``
-    (the block plan's causal limit holds then). Logged at debug level, with the reason."""
+def _packed_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> str | None:
+    """Which GEMM backward a packed call takes, decided from static shapes alone (under ``jit`` the
+    document lengths are traced values): ``"padded"`` when the documents padded to ``max_seqlen``
+    cost little more than they are (``B * max_seqlen <= 1.125 * T``, both sides); else ``"segments"``
+    (:mod:`xattn.jax.gemm_bwd_segments`) for ``cu_seqlens_q is cu_seqlens_k``; None: FFPA's varlen
+    backward. Both need the measured table to pick the GEMMs at ``max_seqlen_k``, and a causal call
+    needs ``cu_seqlens_q is cu_seqlens_k`` (the block plans' causal limits hold then); ``"gemm"`` forces
+    them. Logged at debug level, with the reason."""
     c = cfg.base
     route = c.bwd_route[0]
     b = cu_q.shape[0] - 1
-    why_not = None
     if not _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, (spec.window_left, spec.window_right),
                               route=route):
-        return False
-    if route == "auto" and not PADDED_GEMM_BY_DEFAULT:
-        why_not = "the padded GEMM route is switched off (PADDED_GEMM_BY_DEFAULT); XATTN_BWD_ROUTE=gemm takes it"
-    elif c.causal and not cfg.same_segments:
+        return None
+    fits = not (b * cfg.max_seqlen_q > PADDED_GEMM_MAX_FILL * q.shape[0]
+                or b * cfg.max_seqlen_k > PADDED_GEMM_MAX_FILL * k.shape[0])
+    chosen, why_not = None, None
+    if c.causal and not cfg.same_segments:
         why_not = "a causal packed backward on the GEMM route needs cu_seqlens_q is cu_seqlens_k"
         if route == "gemm":
             raise ValueError(f"XATTN_BWD_ROUTE=gemm: {why_not}")
-    elif route != "gemm" and (b * cfg.max_seqlen_q > PADDED_GEMM_MAX_FILL * q.shape[0]
-                              or b * cfg.max_seqlen_k > PADDED_GEMM_MAX_FILL * k.shape[0]):
+    elif fits or (route == "gemm" and not cfg.same_segments):
+        chosen = "padded"
+        if route == "auto" and not PADDED_GEMM_BY_DEFAULT:
+            why_not = "the padded GEMM route is switched off (PADDED_GEMM_BY_DEFAULT); XATTN_BWD_ROUTE=gemm takes it"
+    elif cfg.same_segments:
+        chosen = "segments"
+        if route == "auto" and not SEGMENT_GEMM_BY_DEFAULT:
+            why_not = ("the segmented GEMM route is off by default (SEGMENT_GEMM_BY_DEFAULT); XATTN_BWD_ROUTE=gemm "
+                       "takes it")
+    else:
         why_not = (f"{b} documents padded to max_seqlen ({cfg.max_seqlen_q}, {cfg.max_seqlen_k}) would cost more "
-                   f"than {PADDED_GEMM_MAX_FILL}x the {q.shape[0]} / {k.shape[0]} tokens (lengths are traced)")
+                   f"than {PADDED_GEMM_MAX_FILL}x the {q.shape[0]} / {k.shape[0]} tokens (lengths are traced), and "
+                   "the segmented route needs cu_seqlens_q is cu_seqlens_k")
     if why_not is None:
         choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, c.causal,
                                     (spec.window_left, spec.window_right), True, cfg.max_seqlen_k, route=route)
         why_not = None if choice.route == "gemm" else choice.reason
-    _log.debug("xattn packed backward route %s: %s", "ffpa" if why_not else "gemm",
-               why_not or "documents about max_seqlen long: padded dense batch on the GEMM backward")
-    return why_not is None
+    reason = {"padded": "documents about max_seqlen long: padded dense batch on the GEMM backward",
+              "segments": "documents of any length: one GEMM per row block over every document"}.get(chosen)
+    _log.debug("xattn packed backward route %s: %s", chosen if why_not is None else "ffpa", why_not or reason)
+    return chosen if why_not is None else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
