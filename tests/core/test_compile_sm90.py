@@ -55,6 +55,8 @@ def _gemm(kind, dtype="bfloat16", d32=False):
 SHIPPED += [_gemm(k) for k in ("probs_causal", "probs_full", "grad_scores", "mm_dq", "mm_kv")]
 SHIPPED += [_gemm("acc", d32=True), _gemm("acc"), _gemm("probs_causal", "float16"), _gemm("acc", "float16", True),
             _gemm("mm_kv", d32=True)]
+# The packed route's (xattn.core.gemm_segments_sm90).
+SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 
 
 @pytest.mark.parametrize("spec", SHIPPED)
@@ -63,3 +65,26 @@ def test_launcher_compiles_for_sm90(spec):
     launcher = cache.get_launcher(spec)
     assert isinstance(launcher.function, tvm_ffi.Function)
     assert launcher.spec.arch == "sm_90a"
+
+
+def test_segment_launchers_trace_their_table_offsets_and_restore_quacks_manager(monkeypatch):
+    """Each seg_* launcher's traced kernel takes the operands' offsets from the table rows the module
+    documents (xattn.core.gemm_segments_sm90), seg_acc on VarlenMTileScheduler; quack's own manager is
+    back afterwards."""
+    import quack.gemm_sm90 as sm90
+    from quack.varlen_utils import VarlenManager
+
+    from xattn.core import gemm_segments_sm90 as seg
+    from xattn.core.gemm_sm90 import GemmSpec
+
+    rows_read = []
+    table = seg._TableManager._table
+    monkeypatch.setattr(seg._TableManager, "_table", lambda self, row, b: rows_read.append((self.ROLE, row))
+                        or table(self, row, b))
+    want = {"seg_probs": {("rows", 0), ("rows", 1)}, "seg_grad_scores": {("rows", 0), ("rows", 1)},
+            "seg_mm_dq": {("dq", 0), ("dq", 1)}, "seg_acc": {("keys", 0), ("keys", 2)}}
+    for kind, reads in want.items():
+        rows_read.clear()
+        seg.compile_segment_gemm(GemmSpec(kind, "bfloat16"))
+        assert set(rows_read) == reads, kind
+        assert sm90.VarlenManager is VarlenManager
