@@ -145,7 +145,7 @@ PADDED_GEMM_MAX_FILL = 1.125  # B * max_seqlen <= this x T: the documents are ab
 PADDED_GEMM_BY_DEFAULT = True
 # "auto" takes the segmented GEMM route (documents of any lengths, cu_seqlens_q is cu_seqlens_k) where the
 # measured table picks the GEMMs at max_seqlen; False leaves it to XATTN_BWD_ROUTE=gemm.
-SEGMENT_GEMM_BY_DEFAULT = False
+SEGMENT_GEMM_BY_DEFAULT = True
 
 
 def _packed_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> str | None:
