@@ -186,3 +186,36 @@ def test_short_groups_split_off_under_auto(monkeypatch):
     auto, forced = (gb.varlen_workspace_bytes(many, many, 8, 1, 512, True, route=r) for r in ("auto", "gemm"))
     sub = 4 * 2 * 500 * 100 * 9 * 512  # gathered dout/q/out/dq (8 heads) and k/v/dk/dv (1 head)
     assert sub < auto < forced  # the short documents cost less memory on the fused kernel, too
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_segment_plan_bounds_hold_for_any_mix(causal):
+    """segment_plan's static bounds hold for random documents: each block's rows per KV head, the keys a
+    piece reads through the overlapping view (spare rows), the accumulator rows; the scratch of one launch
+    fits the budget."""
+    import random
+
+    from xattn.core.gemm_bwd_plan import BYTES_PER_SCORE, SEGMENT_ACC_ALIGN, segment_plan
+
+    rng = random.Random(0)
+    for _ in range(200):
+        slots, total = rng.randint(1, 12), rng.randint(1, 5000)
+        cuts = sorted(rng.randint(0, total) for _ in range(slots - 1))
+        lens = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+        lens[-1] -= rng.randint(0, lens[-1])  # tokens past the last document
+        longest, rows = max(lens), rng.choice([None, 8, 64, 256])
+        budget = rng.choice([1 << 31, 1 << 22])
+        p = segment_plan(total, slots, longest, 8, 2, causal, budget=budget, rows=rows)
+        assert len(p.blocks) * p.rows >= longest
+        for c, (kend, max_rows) in enumerate(p.blocks):
+            assert sum(min(p.rows, max(0, n - c * p.rows)) for n in lens) <= max_rows
+            assert kend % 8 == 0 and kend <= p.spare_keys
+            if causal:
+                assert all(n <= c * p.rows or min(n, (c + 1) * p.rows) <= kend for n in lens)
+            else:
+                assert kend >= longest
+        assert sum(-(-n // SEGMENT_ACC_ALIGN) * SEGMENT_ACC_ALIGN for n in lens) <= p.acc_rows
+        per_launch = p.head_groups[0][1]
+        assert sum(n for _, n in p.head_groups) == 2 and all(n == per_launch for _, n in p.head_groups)
+        if rows is None and p.rows > 64:  # the budget picked rows and heads per launch
+            assert max(BYTES_PER_SCORE * 4 * m * k for k, m in p.blocks) * per_launch <= budget

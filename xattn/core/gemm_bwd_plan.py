@@ -167,6 +167,9 @@ def route_table() -> list[str]:
     lines.append("packed (varlen): the same table on the keys an average row's document holds; documents "
                  f"grouped within {GROUP_FILL:g} of a group's first length, padded to {GROUP_ALIGN}; groups "
                  "under the table's key count run in one call of FFPA's varlen backward")
+    lines.append(f"packed under jax.jit (traced lengths): documents about max_seqlen long padded into one "
+                 f"dense batch; else, one cu_seqlens for q and k, one GEMM per {SEGMENT_ROWS}-row block over "
+                 "every document (the table at max_seqlen)")
     lines.append(f"XATTN_BWD_ROUTE={env_route()}, block budget {budget_bytes() >> 20} MiB")
     return lines
 
