@@ -15,6 +15,7 @@ key side ``[Hkv, T + spare, D]`` (``spare`` zero rows for the overlapping view);
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -95,6 +96,9 @@ def gemm_backward_segments(dout, q, k, v, out, lse, cu, *, max_seqlen: int, soft
     for first, count in p.head_groups:
         heads = np.arange(first, first + count)
         for c, (kend, max_rows) in enumerate(p.blocks):
+            # one block's scratch at a time: without this XLA may run every block's independent P GEMM
+            # first and hold all their scores at once (the identity otherwise)
+            qr, dor, kr, vr, dq, dk_acc, dv_acc = jax.lax.optimization_barrier((qr, dor, kr, vr, dq, dk_acc, dv_acc))
             tables, cu_rows = block_tables(lens, starts, acc_starts, heads, c, R, kend, T, spare, acc_rows, g)
             m = count * g * max_rows  # the scratch's rows (a bound; the pieces' rows come first)
             r = jnp.arange(m, dtype=jnp.int32)
