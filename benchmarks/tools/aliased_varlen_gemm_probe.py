@@ -360,31 +360,13 @@ def block_pieces(lens, rows: int, block: int, align: int) -> dict:
 
 def keys_gemm_class():
     """quack's default-epilogue sm90 GEMM scheduled by ``VarlenMTileScheduler`` over the prefix sum in row 2
-    of the table tensor (``VarlenArguments.mCuTilesM``, int32 ``[3, P + 1]``): each piece's own M tiles."""
-    import cutlass.cute as cute
+    of the table tensor (``VarlenArguments.mCuTilesM``, int32 ``[3, P + 1]``): each piece's own M tiles
+    (the built route's, :mod:`xattn.core.gemm_segments_sm90`, with this probe's table row)."""
     from quack.gemm_default_epi import GemmDefaultSm90
-    from quack.tile_scheduler import PersistenceMode, VarlenMTileScheduler, VarlenMTileSchedulerArguments
 
-    class KeysGemm(GemmDefaultSm90):
-        def get_scheduler_class(self, varlen_m: bool = False):
-            return VarlenMTileScheduler
+    from xattn.core.gemm_segments_sm90 import _keys_gemm_class
 
-        def get_scheduler_arguments(self, mA, mB, mD, scheduler_args, varlen_args, epilogue_args):
-            pieces = varlen_args.mCuSeqlensK.shape[0] - 1
-            return VarlenMTileSchedulerArguments(
-                problem_shape_ntile_mnl=(None, cute.ceil_div(cute.size(mB, mode=[0]), self.cta_tile_shape_mnk[1]),
-                                         pieces),
-                total_m=pieces * cute.size(mA, mode=[0]),  # each piece writes at most A's M (kend) keys
-                cu_seqlens_m=varlen_args.mCuTilesM[2, None],
-                raster_order=scheduler_args.raster_order,
-                group_size=scheduler_args.max_swizzle_size,
-                tile_shape_mn=self.cta_tile_shape_mnk[:2],
-                cluster_shape_mnk=self.cluster_shape_mnk,
-                tile_count_semaphore=None,
-                persistence_mode=PersistenceMode.STATIC,
-            )
-
-    return KeysGemm
+    return _keys_gemm_class(GemmDefaultSm90, row=2)
 
 
 def keys_manager_class():

@@ -8,18 +8,8 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from tests import numpy_gemm  # noqa: E402
-from tests.jax import numpy_launcher  # noqa: E402
-from xattn.jax import _ffi  # noqa: E402
 from xattn.jax import gemm_bwd as gb  # noqa: E402
 from xattn.jax.reference import attention_reference, attention_reference_bwd  # noqa: E402
-
-
-@pytest.fixture
-def standin():
-    _ffi.set_launcher_provider(numpy_gemm.provider(numpy_launcher.provider))
-    numpy_gemm.CALLS.clear()
-    yield
-    _ffi.set_launcher_provider(None)
 
 
 def _inputs(b, nq, nk, hq, hkv, d, seed):
@@ -36,7 +26,7 @@ def _inputs(b, nq, nk, hq, hkv, d, seed):
     (1, 300, 40, 2, 1, True, 64),     # whole blocks without keys
     (1, 77, 77, 4, 4, True, None),    # one block (mm_kv writes dk/dv)
 ])
-def test_jax_driver_vs_fp64(standin, b, nq, nk, hq, hkv, causal, rows):
+def test_jax_driver_vs_fp64(gemm_standin, b, nq, nk, hq, hkv, causal, rows):
     d = 32
     q, k, v, dout = _inputs(b, nq, nk, hq, hkv, d, seed=nq + nk)
     scale = d ** -0.5
@@ -56,7 +46,7 @@ def test_jax_driver_vs_fp64(standin, b, nq, nk, hq, hkv, causal, rows):
     assert "mm_kv" in kinds and ("acc" in kinds) == (with_keys > 1)
 
 
-def test_route_through_ffpa_attention_grad(standin, monkeypatch):
+def test_route_through_ffpa_attention_grad(gemm_standin, monkeypatch):
     """xattn.jax.ffpa_attention's backward takes the GEMM route when XATTN_BWD_ROUTE=gemm."""
     import xattn.jax as xj
 
@@ -79,7 +69,7 @@ def test_route_through_ffpa_attention_grad(standin, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", ["dout", "out", "lse"])
-def test_bad_buffers_are_named_before_any_launch(standin, bad):
+def test_bad_buffers_are_named_before_any_launch(gemm_standin, bad):
     q, k, v, dout = _inputs(1, 64, 64, 2, 1, 16, seed=0)
     out, lse = q, jnp.zeros((1, 2, 64), jnp.float32)
     args = dict(dout=dout, out=out, lse=lse)
@@ -89,7 +79,7 @@ def test_bad_buffers_are_named_before_any_launch(standin, bad):
     assert numpy_gemm.CALLS == []
 
 
-def test_blocks_pass_whole_keys_and_accumulators(standin):
+def test_blocks_pass_whole_keys_and_accumulators(gemm_standin):
     """The launchers read the first rows of whole K/V and accumulators in place: the traced backward
     slices no key prefix out for a GEMM and writes no accumulator prefix back (each would be an XLA copy
     of B·Hkv·k8·D elements per block), and never zeroes an accumulator (the first block starts it)."""
@@ -130,7 +120,7 @@ def _packed(lens, hq, hkv, d, seed):
     ([70, 0, 17, 1, 70], 70, True),      # empty, 1-token and short documents padded to max_seqlen
     ([50, 33, 64], 64, False),           # not causal: padded keys masked by position
 ])
-def test_padded_packed_driver_vs_fp64(standin, lens, max_len, causal):
+def test_padded_packed_driver_vs_fp64(gemm_standin, lens, max_len, causal):
     """The static-shape packed route (documents padded to max_seqlen, traced lengths) under jit vs fp64."""
     from xattn.jax.reference import varlen_visible
 
@@ -154,7 +144,7 @@ def test_padded_packed_driver_vs_fp64(standin, lens, max_len, causal):
         assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r)))), (name, err)
 
 
-def test_packed_route_is_static(standin, caplog, monkeypatch):
+def test_packed_route_is_static(gemm_standin, caplog, monkeypatch):
     """Through xattn.jax.varlen_attention: documents about max_seqlen long with one cu_seqlens take the
     padded GEMM route; different cu_seqlens objects (causal) or a loose max_seqlen keep FFPA's."""
     import logging
@@ -196,7 +186,7 @@ def test_packed_route_is_static(standin, caplog, monkeypatch):
                                                      max_seqlen_k=128), spec, q, k, cu) == "segments"
 
 
-def test_varlen_attention_grads_on_the_padded_route(standin, monkeypatch):
+def test_varlen_attention_grads_on_the_padded_route(gemm_standin, monkeypatch):
     """jax.grad through xattn.jax.varlen_attention (kernel backend, stand-ins): the padded GEMM route is
     taken and its gradients match FFPA's varlen backward route's."""
     from xattn.core import gemm_bwd_plan as route_table

@@ -8,19 +8,9 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from tests import numpy_gemm  # noqa: E402
-from tests.jax import numpy_launcher  # noqa: E402
 from xattn.core import gemm_bwd_plan as plan_mod  # noqa: E402
-from xattn.jax import _ffi  # noqa: E402
 from xattn.jax.gemm_bwd_segments import gemm_backward_segments  # noqa: E402
 from xattn.jax.reference import attention_reference, attention_reference_bwd, varlen_visible  # noqa: E402
-
-
-@pytest.fixture
-def standin():
-    _ffi.set_launcher_provider(numpy_gemm.provider(numpy_launcher.provider))
-    numpy_gemm.CALLS.clear()
-    yield
-    _ffi.set_launcher_provider(None)
 
 
 def _reference(q, k, v, dout, cu, scale, causal):
@@ -37,7 +27,7 @@ def _reference(q, k, v, dout, cu, scale, causal):
     ((70, 33), 8, 1, False, 16, 2),               # not causal, GQA 8
     ((130,), 2, 1, True, 64, 1),                  # one document, blocks past it
 ])
-def test_segments_vs_fp64(standin, lens, hq, hkv, causal, rows, slots):
+def test_segments_vs_fp64(gemm_standin, lens, hq, hkv, causal, rows, slots):
     d, total = 32, sum(lens) + 3  # 3 tokens after the last document: zero gradients
     rng = np.random.default_rng(sum(lens))
     mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)  # noqa: E731
@@ -59,7 +49,7 @@ def test_segments_vs_fp64(standin, lens, hq, hkv, causal, rows, slots):
     assert len(numpy_gemm.CALLS) == 5 * len(p.blocks) * len(p.head_groups)
 
 
-def test_packed_attention_grads_on_the_segmented_route(standin, monkeypatch):
+def test_packed_attention_grads_on_the_segmented_route(gemm_standin, monkeypatch):
     """jax.grad through xattn.jax.packed_attention (segment ids, kernel backend, stand-ins) with
     XATTN_BWD_ROUTE=gemm: documents of mixed lengths take the segmented route, and the gradients match
     FFPA's varlen backward's (XATTN_BWD_ROUTE=ffpa) on the same call."""

@@ -129,9 +129,10 @@ def _standing_in(manager):
             sm90.VarlenManager = old
 
 
-def _keys_gemm_class(base):
-    """``base`` (a quack sm90 GEMM class) scheduled by ``VarlenMTileScheduler`` over table row 3: each
-    piece's own key tiles (quack's ``cu_seqlens_k`` calls otherwise schedule a static M)."""
+def _keys_gemm_class(base, row: int = 3):
+    """``base`` (a quack sm90 GEMM class) scheduled by ``VarlenMTileScheduler`` over table row ``row`` (the
+    keys' prefix sum): each piece's own key tiles (quack's ``cu_seqlens_k`` calls otherwise schedule a
+    static M)."""
     from quack.tile_scheduler import PersistenceMode, VarlenMTileScheduler, VarlenMTileSchedulerArguments
 
     class KeysGemm(base):
@@ -144,7 +145,7 @@ def _keys_gemm_class(base):
                 problem_shape_ntile_mnl=(None, cute.ceil_div(cute.size(mB, mode=[0]), self.cta_tile_shape_mnk[1]),
                                          pieces),
                 total_m=pieces * cute.size(mA, mode=[0]),  # a piece writes at most A's M (kend) keys
-                cu_seqlens_m=varlen_args.mCuTilesM[3, None],
+                cu_seqlens_m=varlen_args.mCuTilesM[row, None],
                 raster_order=scheduler_args.raster_order,
                 group_size=scheduler_args.max_swizzle_size,
                 tile_shape_mn=self.cta_tile_shape_mnk[:2],
