@@ -81,3 +81,31 @@ def test_packed_attention_grads_on_the_segmented_route(gemm_standin, monkeypatch
     for x, r in zip(got, want):
         err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r.astype(jnp.float32))))
         assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r.astype(jnp.float32))))), err
+
+
+@pytest.mark.parametrize("lens, long_enough", [((96, 90, 1), True), ((20, 24, 30, 17), False)])
+def test_auto_route_decides_on_the_device(gemm_standin, monkeypatch, lens, long_enough):
+    """Under XATTN_BWD_ROUTE=auto a packed call with one cu_seqlens and a loose max_seqlen runs the segmented
+    GEMMs only where the keys an average row's document holds reach the route table's count (a lax.cond on
+    the traced lengths, one jitted function for both): otherwise FFPA's varlen backward. Both vs fp64."""
+    import xattn.jax as xj
+    from xattn.core import gemm_bwd_plan as route_table
+
+    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 60),))
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    rng = np.random.default_rng(len(lens))
+    t = sum(lens)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)  # noqa: E731
+    q, k, v, dout = mk(t, 4, 320), mk(t, 2, 320), mk(t, 2, 320), mk(t, 4, 320)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [t] * 3]).astype(np.int32))  # spare slots: loose
+    kw = dict(max_seqlen_q=128, max_seqlen_k=128, scale=320 ** -0.5, causal=True, backend="kernel")
+    out, lse = xj.varlen_fwd(q, k, v, cu, cu, **kw)
+    numpy_gemm.CALLS.clear()
+    bwd = jax.jit(lambda dout, q, k, v, out, lse, cu: xj.varlen_bwd(dout, q, k, v, out, lse, cu, cu, **kw))
+    got = jax.block_until_ready(bwd(dout, q, k, v, out, lse, cu))  # the lengths are traced
+    assert bool(numpy_gemm.CALLS) == long_enough and set(numpy_gemm.CALLS) <= {
+        "seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc"}
+    _, _, want = _reference(q, k, v, dout, cu, 320 ** -0.5, True)
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)))
+        assert err < 2e-2 * max(1.0, float(jnp.max(jnp.abs(r)))), (name, err)

@@ -95,3 +95,25 @@ def test_segmented_backward_many_blocks_and_head_groups(rows):
     for name, x, r in zip(("dq", "dk", "dv"), got, want):
         x = np.asarray(x.astype(jnp.float32), np.float64)
         assert np.linalg.norm(x - r) / np.linalg.norm(r) < 1e-2, name
+
+
+@pytest.mark.parametrize("lens", [(3000, 17, 2500, 1), (300, 500, 17)], ids=["long: segmented", "short: ffpa"])
+def test_auto_route_vs_fp64(monkeypatch, lens):
+    """XATTN_BWD_ROUTE=auto, one cu_seqlens, a loose max_seqlen: the lax.cond on the device picks the
+    segmented GEMMs (keys per row's document >= 2048 at GQA 8) or FFPA's varlen backward; both vs fp64."""
+    import xattn.jax as xj
+
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    rng = np.random.default_rng(len(lens))
+    t = sum(lens)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)  # noqa: E731
+    q, k, v, dout = mk(t, 16, 512), mk(t, 2, 512), mk(t, 2, 512), mk(t, 16, 512)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [t, t]]).astype(np.int32))
+    kw = dict(max_seqlen_q=4096, max_seqlen_k=4096, scale=512 ** -0.5, causal=True, backend="kernel")
+    out, lse = xj.varlen_fwd(q, k, v, cu, cu, **kw)
+    bwd = jax.jit(lambda dout, q, k, v, out, lse, cu: xj.varlen_bwd(dout, q, k, v, out, lse, cu, cu, **kw))
+    got = bwd(dout, q, k, v, out, lse, cu)
+    want = _fp64_per_document(dout, q, k, v, out, lse, lens, True)
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        x = np.asarray(x.astype(jnp.float32), np.float64)
+        assert np.linalg.norm(x - r) / np.linalg.norm(r) < 1e-2, name

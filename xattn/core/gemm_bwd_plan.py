@@ -52,7 +52,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes",
-           "route_table",
+           "route_table", "min_keys_for",
            "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
            "varlen_workspace_bytes", "split_short_groups", "SegmentPlan", "segment_plan"]
 
@@ -152,13 +152,18 @@ def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, c
         return RouteChoice(family, "forced by XATTN_BWD_ROUTE=ffpa" if route == "ffpa" else why_not)
     if why_not:
         return RouteChoice("ffpa", why_not)
-    min_keys = next(n for g, n in MIN_KEYS_BY_GROUP if qhead_per_kvhead >= g)
+    min_keys = min_keys_for(qhead_per_kvhead)
     what = "keys per row's document" if varlen else "Nk"
     if seqlen_k < min_keys:
         return RouteChoice("ffpa", f"{what} {seqlen_k} < {min_keys}: FFPA's fused backward is faster there "
                                    f"(GQA group {qhead_per_kvhead}, measured on the H200)")
     return RouteChoice("gemm", f"{what} {seqlen_k} >= {min_keys} at GQA group {qhead_per_kvhead}: "
                                "chunked-GEMM backward (measured faster on the H200)")
+
+
+def min_keys_for(qhead_per_kvhead: int) -> int:
+    """The key count from which the measured table picks the GEMM backward at this GQA group."""
+    return next(n for g, n in MIN_KEYS_BY_GROUP if qhead_per_kvhead >= g)
 
 
 def route_table() -> list[str]:
@@ -169,7 +174,8 @@ def route_table() -> list[str]:
                  "under the table's key count run in one call of FFPA's varlen backward")
     lines.append(f"packed under jax.jit (traced lengths): documents about max_seqlen long padded into one "
                  f"dense batch; else, one cu_seqlens for q and k, one GEMM per {SEGMENT_ROWS}-row block over "
-                 "every document (the table at max_seqlen)")
+                 "every document where the table picks the GEMMs at the keys an average row's document holds "
+                 "(decided on the device)")
     lines.append(f"XATTN_BWD_ROUTE={env_route()}, block budget {budget_bytes() >> 20} MiB")
     return lines
 

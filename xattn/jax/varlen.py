@@ -126,17 +126,30 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
         return gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=cfg.max_seqlen_q,
                                     max_seqlen_k=cfg.max_seqlen_k, softmax_scale=c.scale, causal=c.causal,
                                     budget=c.bwd_route[1])
-    if gemm_route == "segments":
-        from .gemm_bwd_segments import gemm_backward_segments
 
+    def ffpa():
+        ws = bwd_workspace_shapes(spec, cu_q.shape[0] - 1, cfg.max_seqlen_q, cfg.max_seqlen_k, q.shape[0],
+                                  k.shape[0], q.shape[1], k.shape[1])
+        outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
+        dq, dk, dv = _ffi.call(spec, [dout, q, k, v, out, lse, cu_q, cu_k], outs, ws, c.scale,
+                               vmap_method="sequential")
+        return dq, dk, dv
+
+    if gemm_route != "segments":
+        return ffpa()
+    from .gemm_bwd_segments import gemm_backward_segments
+
+    def segments():
         return gemm_backward_segments(dout, q, k, v, out, lse, cu_q, max_seqlen=cfg.max_seqlen_q,
                                       softmax_scale=c.scale, causal=c.causal, budget=c.bwd_route[1])
-    ws = bwd_workspace_shapes(spec, cu_q.shape[0] - 1, cfg.max_seqlen_q, cfg.max_seqlen_k, q.shape[0],
-                              k.shape[0], q.shape[1], k.shape[1])
-    outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
-    dq, dk, dv = _ffi.call(spec, [dout, q, k, v, out, lse, cu_q, cu_k], outs, ws, c.scale,
-                           vmap_method="sequential")
-    return dq, dk, dv
+
+    if c.bwd_route[0] == "gemm":
+        return segments()
+    # auto: the route table's rule on the keys an average query row's document holds (torch's rule for a
+    # packed batch), evaluated on the device: a batch of short documents keeps FFPA's backward
+    lens = (cu_q[1:] - cu_q[:-1]).astype(jnp.float32)
+    per_row = jnp.sum(lens * lens) / jnp.maximum(jnp.sum(lens), 1.0)
+    return jax.lax.cond(per_row >= _gemm_route.min_keys_for(spec.qhead_per_kvhead), segments, ffpa)
 
 
 PADDED_GEMM_MAX_FILL = 1.125  # B * max_seqlen <= this x T: the documents are about max_seqlen long
@@ -144,7 +157,8 @@ PADDED_GEMM_MAX_FILL = 1.125  # B * max_seqlen <= this x T: the documents are ab
 # results/logs/gpu_tests_h200_diag_pieces.log); False would leave it to XATTN_BWD_ROUTE=gemm.
 PADDED_GEMM_BY_DEFAULT = True
 # "auto" takes the segmented GEMM route (documents of any lengths, cu_seqlens_q is cu_seqlens_k) where the
-# measured table picks the GEMMs at max_seqlen; False leaves it to XATTN_BWD_ROUTE=gemm.
+# measured table picks the GEMMs at max_seqlen and, on the device, at the keys an average row's document
+# holds (GPU-verified: tests/jax/test_gemm_bwd_segments_gpu.py); False leaves it to XATTN_BWD_ROUTE=gemm.
 SEGMENT_GEMM_BY_DEFAULT = True
 
 
@@ -152,8 +166,10 @@ def _packed_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> str | None:
     """Which GEMM backward a packed call takes, decided from static shapes alone (under ``jit`` the
     document lengths are traced values): ``"padded"`` when the documents padded to ``max_seqlen``
     cost little more than they are (``B * max_seqlen <= 1.125 * T``, both sides); else ``"segments"``
-    (:mod:`xattn.jax.gemm_bwd_segments`) for ``cu_seqlens_q is cu_seqlens_k``; None: FFPA's varlen
-    backward. Both need the measured table to pick the GEMMs at ``max_seqlen_k``, and a causal call
+    (:mod:`xattn.jax.gemm_bwd_segments`) for ``cu_seqlens_q is cu_seqlens_k`` (under ``auto`` only where
+    the table picks the GEMMs at the keys an average row's document holds, a ``lax.cond`` on the device:
+    :func:`varlen_backward_call`); None: FFPA's varlen backward. Both need the measured table to pick
+    the GEMMs at ``max_seqlen_k``, and a causal call
     needs ``cu_seqlens_q is cu_seqlens_k`` (the block plans' causal limits hold then); ``"gemm"`` forces
     them. Logged at debug level, with the reason."""
     c = cfg.base
@@ -187,7 +203,8 @@ def _packed_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> str | None:
                                     (spec.window_left, spec.window_right), True, cfg.max_seqlen_k, route=route)
         why_not = None if choice.route == "gemm" else choice.reason
     reason = {"padded": "documents about max_seqlen long: padded dense batch on the GEMM backward",
-              "segments": "documents of any length: one GEMM per row block over every document"}.get(chosen)
+              "segments": "documents of any length: one GEMM per row block over every document, where the "
+                          "keys per row's document reach the table's (on the device)"}.get(chosen)
     _log.debug("xattn packed backward route %s: %s", chosen if why_not is None else "ffpa", why_not or reason)
     return chosen if why_not is None else None
 
