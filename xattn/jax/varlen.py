@@ -175,8 +175,8 @@ def _packed_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> str | None:
     c = cfg.base
     route = c.bwd_route[0]
     b = cu_q.shape[0] - 1
-    if not _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, (spec.window_left, spec.window_right),
-                              route=route):
+    if b == 0 or not _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v,
+                                        (spec.window_left, spec.window_right), route=route):
         return None
     fits = not (b * cfg.max_seqlen_q > PADDED_GEMM_MAX_FILL * q.shape[0]
                 or b * cfg.max_seqlen_k > PADDED_GEMM_MAX_FILL * k.shape[0])
