@@ -84,7 +84,7 @@ def block_entries(lens, rows: int, block: int) -> tuple[np.ndarray, np.ndarray]:
 def compile_varlen_mm(dtype: str = "bfloat16"):
     """``D[rows of entry e] = A[rows of entry e] @ B[e]ᵀ`` (varlen M), A ``(total_m, K)``, B ``(L, N, K)``
     (any strides: the aliased view crosses as it is), D ``(total_m, N)``, cu_seqlens_m int32 ``(L + 1,)``."""
-    from xattn.core.gemm_sm90 import _scheduler
+    from xattn.core.gemm_sm90 import scheduler_options
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
@@ -100,7 +100,7 @@ def compile_varlen_mm(dtype: str = "bfloat16"):
         @cute.jit
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, mCuM: cute.Tensor,
                      max_clusters: Int32, stream):
-            self.gemm(mA, mB, mD, None, GemmDefaultSm90.EpilogueArguments(), _scheduler(max_clusters),
+            self.gemm(mA, mB, mD, None, GemmDefaultSm90.EpilogueArguments(), scheduler_options(max_clusters),
                       VarlenArguments(mCuSeqlensM=mCuM), stream)
 
     dt = CUTE_DTYPES[dtype]
@@ -169,7 +169,7 @@ def quack_manager(cls):
 def compile_table_mm(dtype: str = "bfloat16"):
     """:func:`compile_varlen_mm` with A's rows at ``a_offsets[e]`` (int32 ``(L,)``, the last argument
     before ``max_clusters``): ``D[cu_m[e]:cu_m[e+1]] = A[a_off[e]:a_off[e] + len] @ B[e]ᵀ``."""
-    from xattn.core.gemm_sm90 import _scheduler
+    from xattn.core.gemm_sm90 import scheduler_options
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
@@ -185,7 +185,7 @@ def compile_table_mm(dtype: str = "bfloat16"):
         @cute.jit
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, mCuM: cute.Tensor,
                      mOffA: cute.Tensor, max_clusters: Int32, stream):
-            self.gemm(mA, mB, mD, None, GemmDefaultSm90.EpilogueArguments(), _scheduler(max_clusters),
+            self.gemm(mA, mB, mD, None, GemmDefaultSm90.EpilogueArguments(), scheduler_options(max_clusters),
                       VarlenArguments(mCuSeqlensM=mCuM, mCuTilesM=mOffA), stream)
 
     dt = CUTE_DTYPES[dtype]
@@ -225,7 +225,7 @@ def compile_dq_mm(dtype: str = "bfloat16"):
     """``dq[d_off[e] + r] = dS[cu_m[e] + r] @ K[e : e + kend]`` (varlen M over token-indexed entries): dS the
     block's scratch ``(rows, kend)``, K the aliased key view ``(L, Kb >= kend, D)``, dq ``(T, D)``, cu_m int32
     ``(L + 1,)``, d_off int32 ``(L,)``."""
-    from xattn.core.gemm_sm90 import KIND_TILES, _scheduler
+    from xattn.core.gemm_sm90 import KIND_TILES, scheduler_options
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
@@ -244,7 +244,7 @@ def compile_dq_mm(dtype: str = "bfloat16"):
             kend = mDs.shape[1]  # the keys this block's scores span: a prefix of each entry's view
             keys = cute.make_tensor(mKeys.iterator, cute.make_layout(
                 (mKeys.shape[0], kend, mKeys.shape[2]), stride=mKeys.stride))
-            self.gemm(mDs, keys, mDq, None, GemmDefaultSm90.EpilogueArguments(), _scheduler(max_clusters),
+            self.gemm(mDs, keys, mDq, None, GemmDefaultSm90.EpilogueArguments(), scheduler_options(max_clusters),
                       VarlenArguments(mCuSeqlensM=mCuM, mCuTilesM=mOffD), stream)
 
     dt = CUTE_DTYPES[dtype]
@@ -394,7 +394,7 @@ def compile_keys_mm(dtype: str = "bfloat16"):
     """``acc[d_off[p] + i] = sum_r P[cu_k[p] + r, i] · Q[b_off[p] + r]`` for keys ``i < keys[p]``: P the block's
     scratch ``(rows, kend)``, Q ``(T, D)``, acc ``(acc_rows, D)`` 16-bit (the fp32 accumulate of the plan adds C;
     this checks the addressing), cu_k int32 ``(P + 1,)``, tables int32 ``(3, P + 1)``: b_off, d_off, cu_keys."""
-    from xattn.core.gemm_sm90 import KIND_TILES, _scheduler
+    from xattn.core.gemm_sm90 import KIND_TILES, scheduler_options
     from xattn.core.symbolic import CUTE_DTYPES, compile_launcher
 
     import cutlass.cute as cute
@@ -416,7 +416,7 @@ def compile_keys_mm(dtype: str = "bfloat16"):
             acc = cute.make_tensor(mAcc.iterator, cute.make_layout((1, mAcc.shape[0], mAcc.shape[1]),
                                                                    stride=(0, mAcc.stride[0], 1)))
             self.gemm(transposed(mP), transposed(mQ), acc, None, self.gemm.EpilogueArguments(),
-                      _scheduler(max_clusters), VarlenArguments(mCuSeqlensK=mCuK, mCuTilesM=mTables), stream)
+                      scheduler_options(max_clusters), VarlenArguments(mCuSeqlensK=mCuK, mCuTilesM=mTables), stream)
 
     dt = CUTE_DTYPES[dtype]
     gemm = _gemm(keys_gemm_class(), dt, KIND_TILES["acc"], pingpong=False)  # pingpong deadlocks (module doc)

@@ -232,11 +232,11 @@ class _SegAcc:
 def compile_segment_gemm(spec):
     """Compile the launcher of ``spec`` (a :class:`xattn.core.gemm_sm90.GemmSpec` whose kind is in
     :data:`SEG_KINDS`); returns the compiled TVM-FFI function."""
-    from .gemm_sm90 import CLUSTER_MNK, _epi_class, _scheduler
+    from .gemm_sm90 import CLUSTER_MNK, epilogue_class, scheduler_options
 
     base_kind = {"seg_probs": "probs_causal", "seg_grad_scores": "grad_scores", "seg_mm_dq": "mm_dq",
                  "seg_acc": "acc"}[spec.kind]
-    cls = _epi_class(base_kind)
+    cls = epilogue_class(base_kind)
     if spec.kind == "seg_acc":
         cls = _keys_gemm_class(cls)
     dt = CUTE_DTYPES[spec.dtype]
@@ -268,4 +268,4 @@ def compile_segment_gemm(spec):
         tensors = (half(rows, kend), half(mq, d), *tables, f32(long, d), f32(long, d))
     scalars = (Int32(1),) if spec.kind in ("seg_mm_dq", "seg_acc") else (Float32(1.0), Int32(1))
     with _standing_in(_manager(role)):
-        return compile_launcher(launcher(gemm, cls.EpilogueArguments, _scheduler), tensors, scalars)
+        return compile_launcher(launcher(gemm, cls.EpilogueArguments, scheduler_options), tensors, scalars)

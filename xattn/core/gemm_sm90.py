@@ -129,7 +129,7 @@ def max_active_clusters(num_sms: int) -> int:
     return max(1, num_sms // (CLUSTER_MNK[0] * CLUSTER_MNK[1]))
 
 
-def _scheduler(max_clusters):
+def scheduler_options(max_clusters):
     from quack.tile_scheduler import TileSchedulerOptions
 
     return TileSchedulerOptions(max_active_clusters=max_clusters, max_swizzle_size=Int32(MAX_SWIZZLE),
@@ -154,7 +154,7 @@ class _Probs:
         n = mD.shape[2]
         epi = self.args_cls(rowbias=mRowBias, rowpos=mRowPos, colpos=_prefix(mColPos, 1, n), scale_log2=scale_log2,
                             p_fine=mPf)
-        self.gemm(mA, _prefix(mB, 1, n), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+        self.gemm(mA, _prefix(mB, 1, n), mD, None, epi, scheduler_options(max_clusters), None, stream, None, None)
 
 
 class _ProbsFull:
@@ -165,7 +165,7 @@ class _ProbsFull:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mRowBias: cute.Tensor, mD: cute.Tensor,
                  mPf: cute.Tensor, scale_log2: Float32, max_clusters: Int32, stream):
         epi = self.args_cls(rowbias=mRowBias, scale_log2=scale_log2, p_fine=mPf)
-        self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+        self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, scheduler_options(max_clusters), None, stream, None, None)
 
 
 class _GradScores:
@@ -176,7 +176,7 @@ class _GradScores:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mPf: cute.Tensor, mDelta: cute.Tensor,
                  mD: cute.Tensor, scale: Float32, max_clusters: Int32, stream):
         epi = self.args_cls(p_fine=mPf, delta=mDelta, scale=scale)
-        self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, _scheduler(max_clusters), None, stream, None, None)
+        self.gemm(mA, _prefix(mB, 1, mD.shape[2]), mD, None, epi, scheduler_options(max_clusters), None, stream, None, None)
 
 
 class _Acc:
@@ -188,7 +188,7 @@ class _Acc:
                  max_clusters: Int32, stream):
         # C's rows from c_rows on are out of its TMA box: they load as zeros
         self.gemm(mX, mY, _prefix(mD, 1, mX.shape[2]), _prefix(mC, 1, c_rows), self.args_cls(),
-                  _scheduler(max_clusters), None, stream, None, None)
+                  scheduler_options(max_clusters), None, stream, None, None)
 
 
 class _Mm:
@@ -200,7 +200,7 @@ class _MmKv(_Mm):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mD: cute.Tensor, max_clusters: Int32, stream):
         # D may be a longer accumulator; X (L, K, M) says how many rows this block writes
-        self.gemm(mX, mY, _prefix(mD, 1, mX.shape[2]), None, self.args_cls(), _scheduler(max_clusters), None,
+        self.gemm(mX, mY, _prefix(mD, 1, mX.shape[2]), None, self.args_cls(), scheduler_options(max_clusters), None,
                   stream, None, None)
 
 
@@ -208,11 +208,11 @@ class _MmDq(_Mm):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mD: cute.Tensor, max_clusters: Int32, stream):
         # Y holds every key; X (L, M, K) says how many this block uses
-        self.gemm(mX, _prefix(mY, 1, mX.shape[2]), mD, None, self.args_cls(), _scheduler(max_clusters), None,
+        self.gemm(mX, _prefix(mY, 1, mX.shape[2]), mD, None, self.args_cls(), scheduler_options(max_clusters), None,
                   stream, None, None)
 
 
-def _epi_class(kind: str):
+def epilogue_class(kind: str):
     """The quack GEMM class (epilogue mixin + GemmSm90) of ``kind``."""
     if kind in ("acc", "mm_dq", "mm_kv"):
         from quack.gemm_default_epi import GemmDefaultSm90
@@ -237,7 +237,7 @@ def compile_gemm(spec: GemmSpec):
         from .gemm_segments_sm90 import compile_segment_gemm
 
         return compile_segment_gemm(spec)
-    cls = _epi_class(spec.kind)
+    cls = epilogue_class(spec.kind)
     dt = CUTE_DTYPES[spec.dtype]
     pingpong = spec.tile[0] * spec.tile[1] <= TILE_MN[0] * TILE_MN[1]  # larger tiles: cooperative (registers)
     gemm = partial(cls, pingpong=pingpong, is_persistent=True)(Float32, dt, spec.tile, CLUSTER_MNK, gather_A=False,

@@ -26,10 +26,10 @@ from . import _ffi
 __all__ = ["gemm_backward", "gemm_backward_padded"]
 
 LOG2E = 1.4426950408889634
-_DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+GEMM_DTYPES = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
     from xattn.core.device import cuda_gpus
 
     gpus = cuda_gpus()
@@ -63,7 +63,7 @@ def _vec_to_blocks(x, hkv: int, rows: int, padded: int, fill: float):
 
 def _gemm(kind: str, dtype: str, inputs, results, scale=None, d32=False, aliases=None, c_rows=None):
     spec = GemmSpec(kind, dtype, d32)
-    attrs = {"max_clusters": np.int32(max_active_clusters(_num_sms()))}
+    attrs = {"max_clusters": np.int32(max_active_clusters(num_sms()))}
     if scale is not None:
         attrs = {"scale": np.float32(scale), **attrs}
     if c_rows is not None:
@@ -84,7 +84,7 @@ def _accumulate(dtype: str, x, y, acc, written: int, keys: int, out_dtype):
     return _gemm("acc", dtype, [x, y, acc], [shape], d32=d32, aliases=aliases, c_rows=min(written, x.shape[2]))[0]
 
 
-def _check_buffers(dout, q, out, lse) -> None:
+def check_buffers(dout, q, out, lse) -> None:
     """Named errors at trace time for the buffers q/k/v's checks do not cover (before any launch)."""
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != tuple(q.shape) or jnp.dtype(x.dtype) != jnp.dtype(q.dtype):
@@ -103,11 +103,11 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
     replaces the mask: row i of batch b sees keys ``j <= positions[b, i]`` (padded documents,
     :func:`gemm_backward_padded`); ``causal`` then only lets blocks skip the keys past the causal
     limit, so positions must stay within it (``positions[b, i] <= i + Nk - Nq``)."""
-    _check_buffers(dout, q, out, lse)
+    check_buffers(dout, q, out, lse)
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     g, L = Hq // Hkv, B * Hkv
-    dt = _DTYPES[jnp.dtype(q.dtype)]
+    dt = GEMM_DTYPES[jnp.dtype(q.dtype)]
     p = plan_mod.plan(B, Nq, Nk, Hq, causal, budget=budget, rows=rows)
     R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
     shift = Nk - Nq

@@ -23,13 +23,13 @@ from xattn.core import gemm_bwd_plan as plan_mod
 from xattn.core.gemm_sm90 import GemmSpec, max_active_clusters
 
 from . import _ffi
-from .gemm_bwd import LOG2E, _DTYPES, _check_buffers, _num_sms
+from .gemm_bwd import GEMM_DTYPES, LOG2E, check_buffers, num_sms
 
 __all__ = ["gemm_backward_segments"]
 
 
 def _launch(kind: str, dtype: str, inputs, results, scale=None, aliases=None):
-    attrs = {"max_clusters": np.int32(max_active_clusters(_num_sms()))}
+    attrs = {"max_clusters": np.int32(max_active_clusters(num_sms()))}
     if scale is not None:
         attrs = {"scale": np.float32(scale), **attrs}
     return _ffi.call_gemm(GemmSpec(kind, dtype), inputs, results, attrs, aliases or {})
@@ -64,11 +64,11 @@ def gemm_backward_segments(dout, q, k, v, out, lse, cu, *, max_seqlen: int, soft
     for both queries and keys, traced; documents at most ``max_seqlen`` long; causal top-left per
     document) from its out/lse (lse fp32 ``[Hq, T]``). Tokens past ``cu[-1]`` get zero gradients.
     ``rows`` / ``budget``: :func:`xattn.core.gemm_bwd_plan.segment_plan`'s."""
-    _check_buffers(dout[None], q[None], out[None], lse[None])
+    check_buffers(dout[None], q[None], out[None], lse[None])
     T, Hq, D = q.shape
     Hkv, S = k.shape[1], cu.shape[0] - 1
     g = Hq // Hkv
-    dt = _DTYPES[jnp.dtype(q.dtype)]
+    dt = GEMM_DTYPES[jnp.dtype(q.dtype)]
     p = plan_mod.segment_plan(T, S, max_seqlen, Hq, Hkv, causal, budget=budget, rows=rows)
     R, spare, acc_rows = p.rows, p.spare_keys, p.acc_rows
 
