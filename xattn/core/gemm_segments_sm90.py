@@ -178,10 +178,15 @@ def _prefix1(t: cute.Tensor, extent):
     return cute.make_tensor(t.iterator, cute.make_layout((extent,), stride=t.stride))
 
 
-class _SegProbs:
+class _SegLauncher:
+    """A quack GEMM, its epilogue-arguments class and the scheduler options, behind one typed ``__call__``
+    per kind (CuTeDSL reads the parameter annotations)."""
+
     def __init__(self, gemm, args_cls, scheduler):
         self.gemm, self.args_cls, self.scheduler = gemm, args_cls, scheduler
 
+
+class _SegProbs(_SegLauncher):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mTables: cute.Tensor, mCu: cute.Tensor,
                  mRowBias: cute.Tensor, mRowPos: cute.Tensor, mColPos: cute.Tensor, mD: cute.Tensor,
@@ -193,10 +198,7 @@ class _SegProbs:
                   VarlenArguments(mCuSeqlensM=mCu, mCuTilesM=mTables), stream)
 
 
-class _SegGradScores:
-    def __init__(self, gemm, args_cls, scheduler):
-        self.gemm, self.args_cls, self.scheduler = gemm, args_cls, scheduler
-
+class _SegGradScores(_SegLauncher):
     @cute.jit
     def __call__(self, mDo: cute.Tensor, mV: cute.Tensor, mTables: cute.Tensor, mCu: cute.Tensor,
                  mPf: cute.Tensor, mDelta: cute.Tensor, mD: cute.Tensor, scale: Float32, max_clusters: Int32,
@@ -206,10 +208,7 @@ class _SegGradScores:
                   VarlenArguments(mCuSeqlensM=mCu, mCuTilesM=mTables), stream)
 
 
-class _SegMmDq:
-    def __init__(self, gemm, args_cls, scheduler):
-        self.gemm, self.args_cls, self.scheduler = gemm, args_cls, scheduler
-
+class _SegMmDq(_SegLauncher):
     @cute.jit
     def __call__(self, mDs: cute.Tensor, mK: cute.Tensor, mTables: cute.Tensor, mCu: cute.Tensor,
                  mDqIn: cute.Tensor, mDq: cute.Tensor, max_clusters: Int32, stream):
@@ -218,10 +217,7 @@ class _SegMmDq:
                   VarlenArguments(mCuSeqlensM=mCu, mCuTilesM=mTables), stream)
 
 
-class _SegAcc:
-    def __init__(self, gemm, args_cls, scheduler):
-        self.gemm, self.args_cls, self.scheduler = gemm, args_cls, scheduler
-
+class _SegAcc(_SegLauncher):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mTables: cute.Tensor, mCu: cute.Tensor,
                  mC: cute.Tensor, mD: cute.Tensor, max_clusters: Int32, stream):
