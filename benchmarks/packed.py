@@ -10,6 +10,8 @@ log-uniformly from 64..8192 (seeded; the last one cut to fit). Per row:
 - ``varlen_tflops``: fwd+bwd of the packed batch (torch: ``xattn.torch.attention(..., cu_seqlens_*)``
   with ``backward()``; JAX: ``xattn.jax.varlen_attention`` under ``jit(grad)``), default routes;
   ``varlen_ffpa_tflops``: the same with ``XATTN_BWD_ROUTE=ffpa`` (FFPA's fused varlen backward);
+  JAX also ``varlen_gemm_tflops``: ``XATTN_BWD_ROUTE=gemm``, the GEMM route taken without the
+  device-side ``lax.cond`` that picks it under ``auto`` (the difference is that choice's cost);
 - ``dense_tflops``: the same documents unpacked: equal documents as one dense ``[B, n, H, D]`` batch,
   a mix as one dense call per document (all of them in one timed function);
 - ``ratio = varlen_tflops / dense_tflops``.
@@ -143,9 +145,12 @@ def jax_row(spec: str) -> dict:
     t_dense = time_jax(jax.jit(jax.grad(loss(unpacked), argnums=(0, 1, 2))), q, k, v)
     os.environ["XATTN_BWD_ROUTE"] = "ffpa"
     t_ffpa = time_jax(grad_packed(), q, k, v, cu)
+    os.environ["XATTN_BWD_ROUTE"] = "gemm"
+    t_gemm = time_jax(grad_packed(), q, k, v, cu)
     os.environ.pop("XATTN_BWD_ROUTE")
     jax.clear_caches()
-    return row("jax", spec, lens, f, t_var, t_ffpa, t_dense, jax.devices()[0].device_kind)
+    out = row("jax", spec, lens, f, t_var, t_ffpa, t_dense, jax.devices()[0].device_kind)
+    return {**out, "varlen_gemm_tflops": round(f / t_gemm / 1e9, 1)}
 
 
 def row(framework, spec, lens, f, t_var, t_ffpa, t_dense, device) -> dict:
