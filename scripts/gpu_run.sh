@@ -19,6 +19,8 @@
 #   e2e-packed-PART / e2e-check  benchmarks/e2e_gemma4.py --packed (--check: ffpa/flex loss and grads vs sdpa)
 #   bwd-routes   benchmarks/bwd_routes.py (d512 backward: FFPA vs chunked GEMM; BWD_SEQLENS, BWD_FRAMEWORKS, BWD_DTYPES,
 #                BWD_ROUTES, BWD_SHAPES) -> $OUT/results/bwd_routes_h200.json
+#   packed-layouts  benchmarks/tools/packed_layouts.py (torch's packed GEMM backward, groups vs segments, on the same
+#                out/lse; PACKED_DOCS) -> $OUT/results/packed_layouts_h200.json
 #   packed-profile  benchmarks/tools/packed_profile.py (CUDA time per kernel, packed vs dense backward; PACKED_DOCS)
 #   diag-probe   benchmarks/tools/diag_pieces_probe.py (causal GEMM backward per diagonal block plan; DIAG_SEQLENS,
 #                DIAG_SHAPES, DIAG_VARIANTS, DIAG_REPEATS)
@@ -104,6 +106,8 @@ for step in "$@"; do
     bwd-routes) timeout "$t" python benchmarks/bwd_routes.py --seqlens "${BWD_SEQLENS:-8192,16384}" \
               --frameworks "${BWD_FRAMEWORKS:-torch,jax}" --dtypes "${BWD_DTYPES:-bfloat16,float16}" --routes "${BWD_ROUTES:-ffpa,gemm}" --shapes "${BWD_SHAPES:-32/4/causal,16/16/full,16/16/causal}" \
               --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
+    packed-layouts) timeout "$t" python benchmarks/tools/packed_layouts.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} \
+              --out "$OUT/results/packed_layouts_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     packed-profile) timeout "$t" python benchmarks/tools/packed_profile.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} 2>&1 \
               | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -120 ;;
     diag-probe) timeout "$t" python benchmarks/tools/diag_pieces_probe.py ${DIAG_SEQLENS:+--seqlens "$DIAG_SEQLENS"} \

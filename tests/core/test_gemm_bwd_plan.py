@@ -183,6 +183,7 @@ def test_short_groups_split_off_under_auto(monkeypatch):
     assert gb.split_short_groups(groups, 1)[1] == (0, 1, 3, 4, 5, 6)  # no GQA: GEMMs from 8192 keys
     assert gb.split_short_groups(groups, 8, route="gemm") == (groups, ())
     many = [2048] + [100] * 500
+    monkeypatch.setattr(gb, "packed_layout", lambda *a, **kw: "groups")  # the grouped route's bound
     auto, forced = (gb.varlen_workspace_bytes(many, many, 8, 1, 512, True, route=r) for r in ("auto", "gemm"))
     sub = 4 * 2 * 500 * 100 * 9 * 512  # gathered dout/q/out/dq (8 heads) and k/v/dk/dv (1 head)
     assert sub < auto < forced  # the short documents cost less memory on the fused kernel, too
@@ -219,3 +220,33 @@ def test_segment_plan_bounds_hold_for_any_mix(causal):
         assert sum(n for _, n in p.head_groups) == 2 and all(n == per_launch for _, n in p.head_groups)
         if rows is None and p.rows > 64:  # the budget picked rows and heads per launch
             assert max(BYTES_PER_SCORE * 4 * m * k for k, m in p.blocks) * per_launch <= budget
+
+
+@pytest.mark.parametrize("lens_q, lens_k, layout", [
+    ([3000, 100, 5000, 17], None, "segments"),   # a mix of lengths: several groups
+    ([2048] * 4, None, "groups"),                # equal documents: one dense batch
+    ([2048, 2000, 1990], None, "groups"),        # lengths within one group's fill
+    ([300, 40], [300, 50], "groups"),            # queries and keys differ (not self-attention)
+])
+def test_packed_layout(lens_q, lens_k, layout):
+    assert gb.packed_layout(lens_q, lens_k or lens_q, 32) == layout
+
+
+@pytest.mark.parametrize("lens, hq, hkv, causal, budget", [
+    ([0, 1, 17, 1000, 8192, 300], 32, 4, True, None),
+    ([70, 33, 5000], 8, 1, False, 64 << 20),     # a budget that splits the heads
+    ([513], 2, 2, True, None),                   # one row in the last block
+])
+def test_segment_launches_cover_every_row_once(lens, hq, hkv, causal, budget):
+    """Every query row of every head is in exactly one launch's scratch; each launch fits the budget (its
+    P, fp16 P and dS) and the memory bound counts at least the scratch, the copies and the accumulators."""
+    launches = gb.segment_launches(sum(lens), lens, hq, hkv, causal, budget=budget)
+    assert sum(m for _, m in launches) == hq * sum(lens)
+    cap = gb.budget_bytes() if budget is None else budget
+    assert all(gb.BYTES_PER_SCORE * m * kend <= max(cap, gb.BYTES_PER_SCORE * hq // hkv * 64 * kend)
+               for kend, m in launches)
+    bound = gb.segment_workspace_bytes(sum(lens), lens, hq, hkv, 512, causal, budget=budget)
+    biggest = max(m * kend for kend, m in launches)
+    assert bound >= 6 * biggest + 3 * 2 * sum(lens) * hq * 512 + 8 * hkv * sum(lens) * 512
+    assert gb.segment_launches(0, [0, 0], hq, hkv, causal) == [] and gb.segment_workspace_bytes(0, [], hq, hkv, 512,
+                                                                                               causal) == 0

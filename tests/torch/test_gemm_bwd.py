@@ -254,6 +254,7 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
     scale = d ** -0.5
     out, lse, want = _varlen_want(q, k, v, dout, cu_q, cu_k, scale, causal)
     monkeypatch.setattr(gb.plan_mod, "MIN_KEYS_BY_GROUP", ((1, 256),))
+    monkeypatch.setattr(gb.plan_mod, "packed_layout", lambda *a, **kw: "groups")  # the grouped route's split
     real = gb.gemm_backward_varlen
     gemm_docs, fused = [], []
 

@@ -1,6 +1,8 @@
 """The GEMM backward of packed (varlen) d512 batches on the GPU vs fp64 and vs FFPA's varlen backward on
-the same out/lse (issue #23): documents of 0/1/17/1000/8192 tokens in one batch, Nq != Nk per document,
-GQA 1/4/8, causal and not; the default route through autograd; the memory bound."""
+the same out/lse (issue #23), on both layouts (documents grouped into dense batches; self-attention
+documents in row blocks across documents, "segments"): documents of 0/1/17/1000/8192 tokens in one
+batch, Nq != Nk per document, GQA 1/4/8, causal and not; the default route through autograd; no host
+sync; the memory bounds."""
 
 import pytest
 import torch
@@ -8,7 +10,10 @@ import torch
 import xattn.torch as xt
 import xattn.torch.ops as ops
 from tests.reference import attention_bwd
-from xattn.torch import gemm_bwd
+from xattn.core import gemm_bwd_plan
+from xattn.torch import gemm_bwd, gemm_bwd_segments
+
+DRIVERS = {"groups": (gemm_bwd, "gemm_backward_varlen"), "segments": (gemm_bwd_segments, "gemm_backward_segments")}
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +45,16 @@ def _want(dout, q, k, v, out, lse, lens_q, lens_k, causal):
     return dq, dk, dv
 
 
-def _check(monkeypatch, lens_q, lens_k, hq, hkv, dtype, causal, seed):
+def _count_driver_calls(monkeypatch, layout):
+    """Pin the GEMM route's packed layout to ``layout`` and count its driver's calls."""
+    module, name = DRIVERS[layout]
+    monkeypatch.setattr(gemm_bwd_plan, "packed_layout", lambda *a, **kw: layout)
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def _check(monkeypatch, lens_q, lens_k, hq, hkv, dtype, causal, seed, layout="groups"):
     q, k, v, dout = _packed(lens_q, lens_k, hq, hkv, dtype, seed)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     mq, mk = max(lens_q), max(lens_k)
@@ -50,9 +64,7 @@ def _check(monkeypatch, lens_q, lens_k, hq, hkv, dtype, causal, seed):
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
     ffpa = ops.bwd(*args)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
-    calls = []
-    real = gemm_bwd.gemm_backward_varlen
-    monkeypatch.setattr(gemm_bwd, "gemm_backward_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _count_driver_calls(monkeypatch, layout)
     got = ops.bwd(*args)
     assert calls == [1]
     for name, x, f, r in zip(("dq", "dk", "dv"), got, ffpa, want):
@@ -62,11 +74,32 @@ def _check(monkeypatch, lens_q, lens_k, hq, hkv, dtype, causal, seed):
         assert err <= 1.5 * err_ffpa + 1e-3, (name, err, err_ffpa)
 
 
+@pytest.mark.parametrize("layout", ["groups", "segments"])
 @pytest.mark.parametrize("g", [1, 4, 8])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_documents_0_1_17_1000_8192(monkeypatch, g, causal):
+def test_documents_0_1_17_1000_8192(monkeypatch, g, causal, layout):
     lens = [0, 1, 17, 1000, 8192, 300]
-    _check(monkeypatch, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=g * 2 + causal)
+    _check(monkeypatch, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=g * 2 + causal, layout=layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_segments_gemma4_heads_and_a_tail_past_the_documents(monkeypatch, dtype):
+    """Gemma 4 global-layer heads (Hq 32 / Hkv 4) on the segments: a mix of lengths, N not a tile
+    multiple, and 37 packed rows after the last document (their gradients are 0)."""
+    lens = [777, 4100, 65, 2999, 1]
+    q, k, v, dout = _packed(lens + [37], lens + [37], 32, 4, dtype, seed=21)
+    cu = _cu(lens)
+    m = max(lens)
+    out, lse = ops.fwd(q, k, v, "ffpa", SCALE, True, -1, -1, cu, cu, m, m)
+    want = _want(dout, q, k, v, out, lse, lens, lens, True)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
+    ffpa = ops.bwd(dout, q, k, v, out, lse, "ffpa", SCALE, True, -1, -1, cu, cu, m, m)
+    got = gemm_bwd_segments.gemm_backward_segments(dout, q, k, v, out, lse, lens, softmax_scale=SCALE, causal=True)
+    used = sum(lens)
+    for name, x, f, r in zip(("dq", "dk", "dv"), got, ffpa, want):
+        assert not x[used:].any(), name
+        err, err_ffpa = (x.double() - r).abs()[:used].max().item(), (f.double() - r).abs()[:used].max().item()
+        assert err <= 1.5 * err_ffpa + 1e-3, (name, err, err_ffpa)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -77,30 +110,40 @@ def test_queries_and_keys_differ_per_document(monkeypatch, dtype, causal):
     _check(monkeypatch, lens_q, lens_k, 8, 2, dtype, causal, seed=11 + causal)
 
 
-def test_many_short_documents_one_group(monkeypatch):
+@pytest.mark.parametrize("layout", ["groups", "segments"])
+def test_many_short_documents_share_launches(monkeypatch, layout):
     """Packed SFT data: hundreds of short documents share launches (and stay exact)."""
     gen = torch.Generator().manual_seed(3)
     lens = torch.randint(60, 130, (200,), generator=gen).tolist()
-    _check(monkeypatch, lens, lens, 8, 1, torch.bfloat16, True, seed=5)
+    _check(monkeypatch, lens, lens, 8, 1, torch.bfloat16, True, seed=5, layout=layout)
 
 
-def test_no_host_sync_inside_the_driver():
+def _run_driver(layout, dout, q, k, v, out, lse, lens):
+    if layout == "groups":
+        return gemm_bwd.gemm_backward_varlen(dout, q, k, v, out, lse, lens, lens, softmax_scale=SCALE, causal=True)
+    return gemm_bwd_segments.gemm_backward_segments(dout, q, k, v, out, lse, lens, softmax_scale=SCALE, causal=True)
+
+
+@pytest.mark.parametrize("layout", ["groups", "segments"])
+def test_no_host_sync_inside_the_driver(layout):
     """Past the one read of cu_seqlens (in the route choice), the driver never waits for the GPU: a
-    copy per document group from pageable memory serialised host and GPU on the H200."""
+    copy per document group from pageable memory serialised host and GPU on the H200. The segments
+    driver is run twice more on the same inputs: bitwise the same gradients."""
     lens = [3000, 2900, 1000, 900, 300, 17, 1]
     q, k, v, dout = _packed(lens, lens, 8, 1, torch.bfloat16, seed=2)
     cu = _cu(lens)
     out, lse = ops.fwd(q, k, v, "ffpa", SCALE, True, -1, -1, cu, cu, max(lens), max(lens))
-    gemm_bwd.gemm_backward_varlen(dout, q, k, v, out, lse, lens, lens, softmax_scale=SCALE, causal=True)  # warm
+    first = _run_driver(layout, dout, q, k, v, out, lse, lens)  # warm
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = gemm_bwd.gemm_backward_varlen(dout, q, k, v, out, lse, lens, lens, softmax_scale=SCALE, causal=True)
+        got = _run_driver(layout, dout, q, k, v, out, lse, lens)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = _want(dout, q, k, v, out, lse, lens, lens, True)
-    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+    for name, x, r, x0 in zip(("dq", "dk", "dv"), got, want, first):
         assert (x.double() - r).norm() / r.norm() < 1e-2, name
+        assert torch.equal(x, x0), name
 
 
 def test_autograd_backward_reads_the_forwards_copy_of_cu_seqlens():
@@ -125,14 +168,15 @@ def test_autograd_backward_reads_the_forwards_copy_of_cu_seqlens():
     assert all(torch.equal(x.grad, g) for x, g in zip((qg, kg, vg), grads))
 
 
-def test_default_route_through_autograd(monkeypatch):
+@pytest.mark.parametrize("lens, layout", [([2100, 3000, 2500], "segments"), ([2048] * 3, "groups")])
+def test_default_route_through_autograd(monkeypatch, lens, layout):
     """Gemma 4 global-layer heads (GQA 8, causal), documents past the table's threshold: xt.attention
-    with cu_seqlens takes the GEMM backward by default, gradients close to fp64."""
+    with cu_seqlens takes the GEMM backward by default (a mix of lengths on the segments, equal
+    documents as one dense batch), gradients close to fp64."""
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
-    calls = []
-    real = gemm_bwd.gemm_backward_varlen
-    monkeypatch.setattr(gemm_bwd, "gemm_backward_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    lens = [2100, 3000, 2500]
+    module, name = DRIVERS[layout]
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, dout = _packed(lens, lens, 8, 1, torch.bfloat16, seed=9)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     cu = _cu(lens)
@@ -146,11 +190,13 @@ def test_default_route_through_autograd(monkeypatch):
         assert (x.double() - r).norm() / r.norm() < 1e-2, name
 
 
-def test_varlen_memory_within_the_documented_bound(monkeypatch):
+@pytest.mark.parametrize("layout", ["groups", "segments"])
+def test_varlen_memory_within_the_documented_bound(monkeypatch, layout):
     from xattn.core.gemm_bwd_plan import varlen_workspace_bytes
 
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "64")
+    monkeypatch.setattr(gemm_bwd_plan, "packed_layout", lambda *a, **kw: layout)
     lens = [0, 17, 1000, 3000, 1500, 90]
     q, k, v, dout = _packed(lens, lens, 8, 2, torch.bfloat16, seed=4)
     cu = _cu(lens)
@@ -172,6 +218,7 @@ def test_auto_route_splits_short_documents_onto_ffpa(monkeypatch):
     gathered call of FFPA's varlen backward; gradients vs fp64 within 1.5x FFPA's whole-batch error; the
     memory within the documented bound."""
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    monkeypatch.setattr(gemm_bwd_plan, "packed_layout", lambda *a, **kw: "groups")  # the grouped route's split
     lens = [4000, 300, 17, 2100, 1000, 1]
     q, k, v, dout = _packed(lens, lens, 8, 1, torch.bfloat16, seed=11)
     cu, m = _cu(lens), max(lens)

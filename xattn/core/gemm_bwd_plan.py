@@ -54,7 +54,9 @@ from dataclasses import dataclass
 __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes",
            "route_table", "min_keys_for",
            "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
-           "varlen_workspace_bytes", "split_short_groups", "SegmentPlan", "segment_plan"]
+           "varlen_workspace_bytes", "split_short_groups", "SegmentPlan", "segment_plan", "segment_offsets",
+           "segment_block_tables", "segment_launches",
+           "segment_workspace_bytes", "packed_layout"]
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
@@ -169,9 +171,10 @@ def min_keys_for(qhead_per_kvhead: int) -> int:
 def route_table() -> list[str]:
     """Human-readable lines of the route table, for ``python -m xattn info``."""
     lines = [f"GQA group >= {g}: GEMM backward from Nk {n}" for g, n in MIN_KEYS_BY_GROUP]
-    lines.append("packed (varlen): the same table on the keys an average row's document holds; documents "
-                 f"grouped within {GROUP_FILL:g} of a group's first length, padded to {GROUP_ALIGN}; groups "
-                 "under the table's key count run in one call of FFPA's varlen backward")
+    lines.append("packed (varlen, host lengths): the same table on the keys an average row's document holds; "
+                 f"self-attention documents of mixed lengths: one GEMM per {SEGMENT_ROWS}-row block across every "
+                 f"document; else documents grouped within {GROUP_FILL:g} of a group's first length, padded to "
+                 f"{GROUP_ALIGN}, groups under the table's key count in one call of FFPA's varlen backward")
     lines.append(f"packed under jax.jit (traced lengths): documents about max_seqlen long padded into one "
                  f"dense batch; else, one cu_seqlens for q and k, one GEMM per {SEGMENT_ROWS}-row block over "
                  "every document where the table picks the GEMMs at the keys an average row's document holds "
@@ -345,6 +348,16 @@ def split_short_groups(groups, qhead_per_kvhead: int, route: str | None = None) 
     return long, short
 
 
+def packed_layout(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None) -> str:
+    """How a packed batch on the GEMM backward runs (host lengths: torch): ``"segments"``
+    (:func:`segment_plan`: one GEMM per row block over every document) for self-attention documents
+    (the same lengths on both sides) that :func:`varlen_groups` would cut into more than one group,
+    else ``"groups"`` (:func:`varlen_groups`: dense batches of documents of about one length)."""
+    if [int(n) for n in seqlens_q] != [int(n) for n in seqlens_k]:
+        return "groups"
+    return "segments" if len(varlen_groups(seqlens_q, seqlens_k, heads_q, budget)) > 1 else "groups"
+
+
 def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, head_dim: int, causal: bool,
                            budget: int | None = None, elem_bytes: int = 2, route: str | None = None) -> int:
     """Upper bound of the scratch one packed backward allocates beyond its dq/dk/dv outputs (which
@@ -352,13 +365,17 @@ def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, he
     :data:`DELTA_SLICE_BYTES`, plus the largest GEMM group's blocks: :func:`workspace_bytes` of its
     padded batch (gathered q/dout/dq and K/V count as that bound's row and key copies), its
     16-bit dK/dV before they are scattered ``4·elem·G·Hkv·Nk8·D`` more than the bound's K/V copies,
-    and the gather/scatter indices ``(8·3 + 2)·G·Hq·Nq_pad + (8·2 + 1)·G·Hkv·Nk8``.
+    and the gather/scatter indices ``(8·3 + 2)·G·Hq·Nq_pad + (8·2 + 1)·G·Hkv·Nk8``. A batch that
+    :func:`packed_layout` runs as segments takes :func:`segment_workspace_bytes` instead.
 
     Under ``route`` ``auto`` (default: ``XATTN_BWD_ROUTE``) the documents of
     :func:`split_short_groups` run afterwards on FFPA's varlen backward (the GEMM part is freed by
     then, so the larger of the two counts): their gathered dout/q/out/dq ``4·elem·Tq'·Hq·D`` and
     k/v/dk/dv ``4·elem·Tk'·Hkv·D``, lse ``4·Hq·Tq'``, FFPA's workspace
     (:func:`xattn.core.workspace.bwd_workspace_shapes`) and the index table ``8·(Tq' + Tk' + 2·(B' + 1))``."""
+    if packed_layout(seqlens_q, seqlens_k, heads_q, budget) == "segments":
+        return segment_workspace_bytes(sum(seqlens_q), seqlens_q, heads_q, heads_kv, head_dim, causal, budget,
+                                       elem_bytes)
     groups = varlen_groups(seqlens_q, seqlens_k, heads_q, budget)
     groups, short = split_short_groups(groups, heads_q // heads_kv, route)
     per_row = 8 * heads_q * sum(seqlens_q) + DELTA_SLICE_BYTES
@@ -448,3 +465,78 @@ def segment_plan(total: int, slots: int, max_seqlen: int, heads_q: int, heads_kv
     groups = tuple((h, per_launch) for h in range(0, heads_kv, per_launch))
     acc_rows = _align(total + slots * (SEGMENT_ACC_ALIGN - 1), SEGMENT_ACC_ALIGN)
     return SegmentPlan(rows, blocks, groups, max(kend for kend, _ in blocks), acc_rows)
+
+
+def segment_offsets(xp, cu):
+    """``(lens, starts, acc_starts)`` of the documents of ``cu`` (int ``[S + 1]``) with the array module
+    ``xp`` (numpy on the host, ``jax.numpy`` under ``jit``): each document's first row in the fp32
+    dK/dV accumulators is a multiple of :data:`SEGMENT_ACC_ALIGN`."""
+    lens, starts = cu[1:] - cu[:-1], cu[:-1]
+    acc = -(-lens // SEGMENT_ACC_ALIGN) * SEGMENT_ACC_ALIGN
+    return lens, starts, xp.concatenate([xp.zeros((1,), acc.dtype), xp.cumsum(acc)])[:-1]
+
+
+def segment_block_tables(xp, lens, starts, acc_starts, heads, c: int, rows: int, kend: int, total: int,
+                         spare: int, acc_rows: int, g: int):
+    """The tables of block ``c`` for KV heads ``heads`` (int ``[hg]``) over the documents of
+    :func:`segment_offsets`: ``(tables int32 [4, P + 1], cu_rows int32 [P + 1])`` with P = hg·S pieces,
+    head-major (rows as :mod:`xattn.core.gemm_segments_sm90` documents; query side ``[Hkv, total, g, D]``,
+    key side ``[Hkv, total + spare, D]``, accumulators ``[Hkv, acc_rows, D]``)."""
+    h = xp.asarray(heads, lens.dtype)[:, None]
+    rows_in = xp.broadcast_to(xp.clip(lens - c * rows, 0, rows)[None, :], (h.shape[0], lens.shape[0]))
+    has = rows_in > 0
+    q_off = xp.where(has, (h * total + starts[None] + c * rows) * g, 0)
+    k_start = xp.where(has, h * (total + spare) + starts[None], 0)
+    a_off = xp.where(has, h * acc_rows + acc_starts[None], 0)
+    keys = xp.where(has, xp.minimum(kend, lens[None]), 0)
+
+    def cumsum0(x):
+        return xp.concatenate([xp.zeros((1,), x.dtype), xp.cumsum(x)])
+
+    flat = lambda x: xp.concatenate([x.reshape(-1), xp.zeros((1,), x.dtype)])  # noqa: E731
+    cu_rows = cumsum0((rows_in * g).reshape(-1)).astype(xp.int32)
+    tables = xp.stack([flat(q_off), flat(k_start), flat(a_off), cumsum0(keys.reshape(-1))]).astype(xp.int32)
+    return tables, cu_rows
+
+
+
+def segment_launches(total: int, seqlens, heads_q: int, heads_kv: int, causal: bool, budget: int | None = None,
+                     rows: int | None = None) -> list[tuple[int, int]]:
+    """``(kend, rows)`` of each launch of the segmented backward over documents of ``seqlens`` (host ints,
+    self-attention, packed in ``total`` rows) when the lengths are known on the host (torch's driver):
+    a launch's scratch holds exactly its pieces' rows, ``g·Σ_heads Σ_docs min(rows, L − c·rows)``."""
+    lens = [int(n) for n in seqlens]
+    p = segment_plan(total, len(lens), max(lens, default=0), heads_q, heads_kv, causal, budget=budget, rows=rows)
+    g = heads_q // heads_kv
+    out = []
+    for _, count in p.head_groups:
+        for c, (kend, _) in enumerate(p.blocks):
+            m = g * count * sum(min(max(n - c * p.rows, 0), p.rows) for n in lens)
+            if m:
+                out.append((kend, m))
+    return out
+
+
+def segment_workspace_bytes(total: int, seqlens, heads_q: int, heads_kv: int, head_dim: int, causal: bool,
+                            budget: int | None = None, elem_bytes: int = 2, rows: int | None = None) -> int:
+    """Upper bound of the scratch torch's segmented backward (:mod:`xattn.torch.gemm_bwd_segments`)
+    allocates beyond its dq/dk/dv outputs, for ``total`` packed rows: the query-side copies of q, dout
+    and dq ``3·elem·T·Hq·D``; the key side of k and v ``2·elem·Hkv·(T + spare)·D``; the fp32 dK/dV
+    accumulators ``8·Hkv·acc_rows·D`` and one of them gathered per token ``4·T·Hkv·D``; the largest
+    launch's P, fp16 P and dS ``(2·elem + 2)·rows·kend``; the row bias and δ ``16·Hq·T`` +
+    :data:`DELTA_SLICE_BYTES`; per row of every launch (``Hq·Σ seqlens`` plus 7 of padding per launch)
+    its expansion indices, positions, row bias and δ, 56 bytes; and the uploaded tables
+    ``4·(launches·(10·(Hkv·S + 2) + 48) + T)`` (S documents)."""
+    lens = [int(n) for n in seqlens]
+    p = segment_plan(total, len(lens), max(lens, default=0), heads_q, heads_kv, causal, budget=budget, rows=rows)
+    launches = segment_launches(total, lens, heads_q, heads_kv, causal, budget, rows)
+    if not launches:
+        return 0
+    d, hq, hkv = head_dim, heads_q, heads_kv
+    copies = 3 * elem_bytes * total * hq * d + 2 * elem_bytes * hkv * (total + p.spare_keys) * d
+    accs = 8 * hkv * p.acc_rows * d + 4 * total * hkv * d
+    scores = (2 * elem_bytes + 2) * max(m * kend for kend, m in launches)
+    row_count = hq * sum(lens) + 7 * len(launches)
+    vectors = 16 * hq * total + DELTA_SLICE_BYTES + 56 * row_count + 4 * p.spare_keys
+    tables = 4 * (len(launches) * (10 * (hkv * len(lens) + 2) + 48) + total)
+    return copies + accs + scores + vectors + tables

@@ -5,9 +5,10 @@ grouped route does) or padded per document (:func:`xattn.jax.gemm_bwd.gemm_backw
 which only pays off when the documents are about ``max_seqlen`` long). Instead each row block c of
 :func:`xattn.core.gemm_bwd_plan.segment_plan` is five launches over every (KV head, document)
 piece with rows in it (:mod:`xattn.core.gemm_segments_sm90`), whose offsets come from int32 tables
-built here with jnp from ``cu_seqlens``; q/dout/dq, K/V and the dK/dV accumulators are read and
-written in place through them, and only the block's scores (P, dS: ``(rows, kend)``, the pieces'
-rows packed) are scratch. Layouts (built once per call): query side ``[Hkv, T, g, D]`` as
+built with jnp from ``cu_seqlens`` (:func:`xattn.core.gemm_bwd_plan.segment_block_tables`, which torch's
+driver builds with NumPy); q/dout/dq, K/V and the dK/dV accumulators are read and written in place
+through them, and only the block's scores (P, dS: ``(rows, kend)``, the pieces' rows packed) are
+scratch. Layouts (built once per call): query side ``[Hkv, T, g, D]`` as
 ``(Hkv·T·g, D)`` rows (a KV head's query heads stacked per token, as the dense route's blocks);
 key side ``[Hkv, T + spare, D]`` (``spare`` zero rows for the overlapping view); fp32 accumulators
 ``[Hkv, acc_rows, D]`` with each document at a multiple of 128 rows.
@@ -33,29 +34,6 @@ def _launch(kind: str, dtype: str, inputs, results, scale=None, aliases=None):
     if scale is not None:
         attrs = {"scale": np.float32(scale), **attrs}
     return _ffi.call_gemm(GemmSpec(kind, dtype), inputs, results, attrs, aliases or {})
-
-
-def _exclusive_cumsum(x):
-    return jnp.concatenate([jnp.zeros((1,), x.dtype), jnp.cumsum(x)])
-
-
-def block_tables(lens, starts, acc_starts, heads, c: int, rows: int, kend: int, total: int, spare: int,
-                 acc_rows: int, g: int):
-    """The tables of block ``c`` for KV heads ``heads`` (int array ``[hg]``) over documents of
-    ``lens`` / ``starts`` (int32 ``[S]``, traced): ``(tables int32 [4, P + 1], cu_rows int32 [P + 1])``
-    with P = hg·S pieces, head-major (rows as :mod:`xattn.core.gemm_segments_sm90` documents)."""
-    h = jnp.asarray(heads, jnp.int32)[:, None]
-    rows_in = jnp.broadcast_to(jnp.clip(lens - c * rows, 0, rows)[None, :], (h.shape[0], lens.shape[0]))
-    has = rows_in > 0
-    q_off = jnp.where(has, (h * total + starts[None] + c * rows) * g, 0)
-    k_start = jnp.where(has, h * (total + spare) + starts[None], 0)
-    a_off = jnp.where(has, h * acc_rows + acc_starts[None], 0)
-    keys = jnp.where(has, jnp.minimum(kend, lens[None]), 0)
-    flat = lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((1,), jnp.int32)])  # noqa: E731
-    cu_rows = _exclusive_cumsum((rows_in * g).reshape(-1)).astype(jnp.int32)
-    cu_keys = _exclusive_cumsum(keys.reshape(-1)).astype(jnp.int32)
-    tables = jnp.stack([flat(q_off), flat(k_start), flat(a_off), cu_keys]).astype(jnp.int32)
-    return tables, cu_rows
 
 
 def gemm_backward_segments(dout, q, k, v, out, lse, cu, *, max_seqlen: int, softmax_scale: float, causal: bool,
@@ -86,8 +64,7 @@ def gemm_backward_segments(dout, q, k, v, out, lse, cu, *, max_seqlen: int, soft
     rowbias = row_vector(jnp.where(jnp.isfinite(lse32), lse32 * -LOG2E, -jnp.inf))
     delta = row_vector(jnp.einsum("thd,thd->ht", dout.astype(jnp.float32), out.astype(jnp.float32)))
     cu = cu.astype(jnp.int32)
-    lens, starts = cu[1:] - cu[:-1], cu[:-1]
-    acc_starts = _exclusive_cumsum(-(-lens // plan_mod.SEGMENT_ACC_ALIGN) * plan_mod.SEGMENT_ACC_ALIGN)[:-1]
+    lens, starts, acc_starts = plan_mod.segment_offsets(jnp, cu)
     colpos = jnp.arange(spare, dtype=jnp.float32)
     dq = jnp.zeros((Hkv * T * g, D), q.dtype)
     dk_acc = jnp.zeros((Hkv * acc_rows, D), jnp.float32)
@@ -99,7 +76,8 @@ def gemm_backward_segments(dout, q, k, v, out, lse, cu, *, max_seqlen: int, soft
             # one block's scratch at a time: without this XLA may run every block's independent P GEMM
             # first and hold all their scores at once (the identity otherwise)
             qr, dor, kr, vr, dq, dk_acc, dv_acc = jax.lax.optimization_barrier((qr, dor, kr, vr, dq, dk_acc, dv_acc))
-            tables, cu_rows = block_tables(lens, starts, acc_starts, heads, c, R, kend, T, spare, acc_rows, g)
+            tables, cu_rows = plan_mod.segment_block_tables(jnp, lens, starts, acc_starts, heads, c, R, kend, T,
+                                                            spare, acc_rows, g)
             m = count * g * max_rows  # the scratch's rows (a bound; the pieces' rows come first)
             r = jnp.arange(m, dtype=jnp.int32)
             piece = jnp.clip(jnp.searchsorted(cu_rows, r, side="right") - 1, 0, count * S - 1)

@@ -107,6 +107,25 @@ class CoreGemms:
         """``out = x · y[:, :K]`` (x ``(L, M, K)``)."""
         self._fn("mm_dq")(x, y, out, self._clusters)
 
+    # the packed route's launchers (xattn.core.gemm_segments_sm90): per piece of ``tables`` / ``cu_rows``
+
+    def seg_probs(self, q, keys, tables, cu_rows, rowbias, rowpos, colpos, p, pf, scale_log2: float) -> None:
+        """``p`` (q's dtype) and ``pf`` (fp16), ``(rows, kend)``: P of each piece's query rows against its
+        document's first ``kend`` keys (causal by ``rowpos`` / ``colpos``)."""
+        self._fn("seg_probs")(q, keys, tables, cu_rows, rowbias, rowpos, colpos, p, pf, scale_log2, self._clusters)
+
+    def seg_grad_scores(self, dout, values, tables, cu_rows, pf, delta, ds, scale: float) -> None:
+        """``ds (rows, kend) = (dout_rows · values_docᵀ − δ) ⊙ pf · scale`` per piece."""
+        self._fn("seg_grad_scores")(dout, values, tables, cu_rows, pf, delta, ds, scale, self._clusters)
+
+    def seg_mm_dq(self, ds, keys, tables, cu_rows, dq) -> None:
+        """``dq_rows = ds · keys_doc`` per piece, in place (no other row of ``dq`` written)."""
+        self._fn("seg_mm_dq")(ds, keys, tables, cu_rows, dq, dq, self._clusters)
+
+    def seg_acc(self, x, y, tables, cu_rows, acc) -> None:
+        """``acc_doc[:keys] += x_pieceᵀ y_rows`` per piece (fp32, in place)."""
+        self._fn("seg_acc")(x, y, tables, cu_rows, acc, acc, self._clusters)
+
 
 def _rows_to_blocks(x: Tensor, hkv: int, rows: int, padded: int) -> Tensor:
     """``[B, N, Hq, D]`` (any strides) -> ``[B*Hkv, C, rows*g, D]``, GEMM row ``r*g + i`` = query

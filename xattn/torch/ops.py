@@ -278,6 +278,12 @@ def _gemm_bwd(plan, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(N
     causal = plan[0].causal
     if lengths is None:
         return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
+    if _gemm_route.packed_layout(*lengths, q.shape[1]) == "segments":
+        from .gemm_bwd_segments import gemm_backward_segments
+
+        _log.debug("xattn backward route gemm: %d documents in row blocks across documents (segments)",
+                   len(lengths[0]))
+        return gemm_backward_segments(dout, q, k, v, out, lse, lengths[0], softmax_scale=scale, causal=causal)
     groups = _gemm_route.varlen_groups(*lengths, q.shape[1])
     groups, short = _gemm_route.split_short_groups(groups, q.shape[1] // k.shape[1])
     grads = gemm_backward_varlen(dout, q, k, v, out, lse, *lengths, softmax_scale=scale, causal=causal,

@@ -1,0 +1,121 @@
+"""torch's segmented GEMM backward (packed self-attention, one GEMM per row block across documents) on the
+CPU: its launcher calls (torch views and the uploaded tables through TVM-FFI) with NumPy stand-ins of the
+seg_* launchers (tests/numpy_gemm.py, which refuse misaligned or strided operands as TMA does), vs fp64;
+and the choice of it on the GEMM route (:func:`xattn.core.gemm_bwd_plan.packed_layout`)."""
+
+import pytest
+import torch
+
+from tests import numpy_gemm
+from tests.reference import varlen_attention
+from xattn.core import gemm_bwd_plan as plan_mod
+from xattn.torch import gemm_bwd as gb
+from xattn.torch import gemm_bwd_segments as seg
+
+pytest.importorskip("tvm_ffi")
+
+
+def _case(lens, hq, hkv, extra, d=32, seed=0):
+    """Packed q/k/v/dout of ``lens`` plus ``extra`` rows after the last document, and the fp64 gradients
+    (0 on the extra rows) with the out/lse they come from."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens) + extra
+    q, dout = (torch.randn(t, hq, d, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(t, hkv, d, generator=g).half() for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, dout, cu
+
+
+def _want(q, k, v, dout, cu, scale, causal):
+    used = int(cu[-1])
+    q64, k64, v64 = (x[:used].double().requires_grad_() for x in (q, k, v))
+    out, lse = varlen_attention(q64, k64, v64, cu, cu, scale=scale, causal=causal)
+    out.backward(dout[:used].double())
+    pad = lambda x, n: torch.cat([x, x.new_zeros(n, *x.shape[1:])])  # noqa: E731
+    extra = q.shape[0] - used
+    grads = [pad(x.grad, extra) for x in (q64, k64, v64)]
+    out = pad(out.detach(), extra)
+    lse = torch.cat([lse.detach(), lse.new_zeros(lse.shape[0], extra)], dim=1)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("lens, hq, hkv, causal, rows, extra", [
+    ((0, 1, 17, 100, 45), 4, 2, True, 16, 3),    # zero-length and 1-token documents, several blocks, GQA 2
+    ((37, 64, 5), 3, 3, True, 24, 0),            # no GQA (query side copied per KV head), odd lengths
+    ((70, 33), 8, 1, False, 16, 5),              # not causal, GQA 8, Hkv 1 (q and dq in place)
+    ((130,), 2, 1, True, 64, 0),                 # one document
+    ((9, 200, 3, 64), 6, 2, True, None, 2),      # the default rows (one block), GQA 3
+])
+def test_segments_vs_fp64(lens, hq, hkv, causal, rows, extra):
+    q, k, v, dout, cu = _case(lens, hq, hkv, extra, seed=sum(lens))
+    scale = 32 ** -0.5
+    out, lse, want = _want(q, k, v, dout, cu, scale, causal)
+    numpy_gemm.CALLS.clear()
+    gemms = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
+    got = seg.gemm_backward_segments(dout, q, k, v, out.half(), lse.float(), list(lens), softmax_scale=scale,
+                                     causal=causal, gemms=gemms, rows=rows)
+    for name, x, r, ref in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        assert x.shape == ref.shape and x.dtype == torch.float16 and x.is_contiguous(), name
+        assert torch.isfinite(x).all(), name
+        err = (x.double() - r).abs().max().item()
+        assert err < 2e-2 * max(1.0, r.abs().max().item()), (name, err)
+        assert not x[sum(lens):].any(), name  # rows past the last document
+    launches = plan_mod.segment_launches(q.shape[0], lens, hq, hkv, causal, rows=rows)
+    assert len(numpy_gemm.CALLS) == 5 * len(launches)
+    assert numpy_gemm.CALLS.count("seg_acc") == 2 * len(launches)
+
+
+def test_strided_and_offset_inputs_are_copied_for_the_launchers():
+    """q/dout as views with a head stride past D and a start 2 elements in: the launchers get aligned copies
+    (the stand-ins refuse operands TMA cannot take), the gradients are unchanged."""
+    lens, hq, hkv = (50, 30), 4, 1
+    q, k, v, dout, cu = _case(lens, hq, hkv, 0, seed=1)
+    out, lse, want = _want(q, k, v, dout, cu, 0.2, True)
+    wide = torch.zeros(q.shape[0], hq, 40, dtype=q.dtype)
+    wide[:, :, 2:34] = q
+    q_view = wide[:, :, 2:34]
+    gemms = gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)
+    got = seg.gemm_backward_segments(dout, q_view, k, v, out.half(), lse.float(), list(lens), softmax_scale=0.2,
+                                     causal=True, gemms=gemms, rows=16)
+    for x, r in zip(got, want):
+        assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
+
+
+def test_no_document_rows_gives_zero_gradients():
+    q, k, v, dout, cu = _case((0, 0), 2, 1, 4)
+    got = seg.gemm_backward_segments(dout, q, k, v, q, torch.zeros(2, 4), [0, 0], softmax_scale=0.2, causal=True,
+                                     gemms=object())  # no launch: never touched
+    assert [x.shape for x in got] == [q.shape, k.shape, v.shape] and not any(x.any() for x in got)
+
+
+@pytest.mark.parametrize("lens", [[5, 9, 3], [-1, 4]])
+def test_refuses_documents_past_the_rows(lens):
+    q, k, v, dout, _ = _case([10], 2, 1, 0)
+    with pytest.raises(ValueError, match="segmented backward"):
+        seg.gemm_backward_segments(dout, q, k, v, q, torch.zeros(2, 10), lens, softmax_scale=0.2, causal=True)
+
+
+def test_gemm_route_dispatches_a_mix_to_the_segments(monkeypatch):
+    """ops._gemm_bwd (the GEMM route of xattn.torch's backward) runs a self-attention mix on the segmented
+    driver, with every document on the GEMMs (no short-document split), and its gradients are fp64's."""
+    import xattn.torch.ops as ops
+
+    lens = [300, 40, 0, 20, 260, 1]
+    q, k, v, dout, cu = _case(lens, 8, 1, 0, d=512, seed=3)
+    scale = 512 ** -0.5
+    out, lse, want = _want(q, k, v, dout, cu, scale, True)
+    calls, real = [], seg.gemm_backward_segments
+
+    def on_standins(*a, **kw):
+        calls.append(a[6])
+        return real(*a, gemms=gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make), **kw)
+
+    monkeypatch.setattr(seg, "gemm_backward_segments", on_standins)
+    monkeypatch.setattr(gb, "gemm_backward_varlen", lambda *a, **kw: pytest.fail("took the grouped route"))
+    monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
+    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, (lens, lens), (cu, cu, 300, 300))
+    assert calls == [lens]
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
