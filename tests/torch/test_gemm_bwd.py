@@ -294,3 +294,16 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
     ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, lengths,
                   (cu_q, cu_k, max(lens_q), max(lens_k)))
     assert not fused and len(gemm_docs) == sum(1 for a, b in zip(lens_q, lens_k) if a and b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_copy_words_is_a_copy(dtype):
+    """copy_words moves 16-bit permutations as 8-byte words, bit for bit what copy_ writes; anything else
+    (a start or a last dim off 4 elements, fp32) falls to copy_."""
+    x = torch.randn(6, 4, 3, 16).to(dtype)
+    x.view(-1)[::7] = float("nan")  # NaN bit patterns survive either way
+    for src in (x.permute(1, 0, 2, 3), x[:, 1:3].transpose(0, 1), x[..., 2:14].transpose(0, 2), x[..., 1:13]):
+        dst = torch.empty(src.shape, dtype=dtype)
+        gb.copy_words(dst, src)
+        assert torch.equal(dst.view(torch.int8 if dtype == torch.float32 else torch.int16),
+                           src.contiguous().view(torch.int8 if dtype == torch.float32 else torch.int16))

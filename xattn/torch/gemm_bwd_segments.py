@@ -21,7 +21,7 @@ from torch import Tensor
 
 from xattn.core import gemm_bwd_plan as plan_mod
 
-from .gemm_bwd import LOG2E, _default_gemms, _delta, _in_place, _rowbias
+from .gemm_bwd import LOG2E, copy_words, default_gemms, launchable_in_place, row_bias, row_delta
 
 __all__ = ["gemm_backward_segments"]
 
@@ -46,15 +46,16 @@ class _HostTables:
         return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
-def _launchable(x: Tensor) -> Tensor:
-    """``x`` as the launchers take it: unit last stride and 16-byte aligned rows (a copy otherwise)."""
-    return x if _in_place(x) else x.clone(memory_format=torch.contiguous_format)
-
-
 def _query_side(x: Tensor, hkv: int) -> Tensor:
-    """``[T, Hq, D]`` -> ``(Hkv·T·g, D)``: row ``(h·T + t)·g + i`` is token t of query head ``h·g + i``."""
+    """``[T, Hq, D]`` -> ``(Hkv·T·g, D)``: row ``(h·T + t)·g + i`` is token t of query head ``h·g + i``
+    (``x`` itself where that is its layout and the launchers can read it in place)."""
     t, hq, d = x.shape
-    return _launchable(x.reshape(t, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv * t * (hq // hkv), d))
+    g = hq // hkv
+    if hkv == 1 and x.is_contiguous() and launchable_in_place(x):
+        return x.view(t * g, d)
+    side = torch.empty(hkv, t, g, d, device=x.device, dtype=x.dtype)
+    copy_words(side, x.unflatten(1, (hkv, g)).transpose(0, 1))
+    return side.view(-1, d)
 
 
 def _row_vector(x: Tensor, hkv: int) -> Tensor:
@@ -81,7 +82,7 @@ def gemm_backward_segments(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     used = int(lens.sum())
     if used == 0:
         return tuple(torch.zeros(T, h, D, device=dev, dtype=dt) for h in (Hq, Hkv, Hkv))
-    gemms = _default_gemms(gemms, q)
+    gemms = default_gemms(gemms, q)
     p = plan_mod.segment_plan(T, len(lens), int(lens.max()), Hq, Hkv, causal, budget=budget, rows=rows)
     R, spare, acc_rows = p.rows, p.spare_keys, p.acc_rows
     cu = np.concatenate([[0], np.cumsum(lens)])
@@ -127,11 +128,11 @@ def gemm_backward_segments(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     qr, dor = _query_side(q, Hkv), _query_side(dout, Hkv)
     kr, vr = (torch.empty(Hkv, T + spare, D, device=dev, dtype=dt) for _ in range(2))
     for side, x in ((kr, k), (vr, v)):
-        side[:, :T].copy_(x.transpose(0, 1))
+        copy_words(side[:, :T], x.transpose(0, 1))
         side[:, T:].zero_()  # the key view of the last document reads up to `spare` rows past it
     kr, vr = kr.view(-1, D), vr.view(-1, D)
-    rowbias = _row_vector(_rowbias(lse.float()), Hkv)[qrow]
-    delta = _row_vector(_delta(dout[None], out[None])[0], Hkv)[qrow]
+    rowbias = _row_vector(row_bias(lse.float()), Hkv)[qrow]
+    delta = _row_vector(row_delta(dout[None], out[None])[0], Hkv)[qrow]
     colpos = torch.arange(spare, device=dev, dtype=torch.float32)
     dq_side = torch.empty(Hkv, T, g * D, device=dev, dtype=dt)
     dq_side[:, used:].zero_()  # every row of a document is written by its blocks
@@ -157,5 +158,5 @@ def gemm_backward_segments(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     if Hkv == 1:
         return dq_side.view(T, Hq, D), dk, dv
     dq = torch.empty(T, Hq, D, device=dev, dtype=dt)
-    dq.view(T, Hkv, g, D).copy_(dq_side.view(Hkv, T, g, D).transpose(0, 1))
+    copy_words(dq.view(T, Hkv, g, D), dq_side.view(Hkv, T, g, D).transpose(0, 1))
     return dq, dk, dv
