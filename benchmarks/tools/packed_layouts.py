@@ -1,6 +1,7 @@
-"""The two layouts of torch's packed d512 GEMM backward, A/B on the same out/lse (H200): documents grouped
-into dense batches (``gemm_backward_varlen``) vs row blocks across documents (``gemm_backward_segments``),
-the backward alone, with the host time of one call. The rule of
+"""The layouts of torch's packed d512 GEMM backward, A/B on the same out/lse (H200): documents grouped into
+dense batches (``gemm_backward_varlen``) vs row blocks across documents (``gemm_backward_segments``), and
+for documents of one length views of one dense batch (``gemm_backward_equal_documents``); the backward
+alone, with the host time of one call. The rule of
 :func:`xattn.core.gemm_bwd_plan.packed_layout` comes from these rows.
 
     python benchmarks/tools/packed_layouts.py [--docs 2048,4096,8192,16384,mix16k,mix64k] [--out F.json]
@@ -24,7 +25,7 @@ from benchmarks.packed import D, DEFAULT_DOCS, HKV, HQ, causal_flops, documents 
 def main(argv=None):
     import xattn.torch.ops as ops
     from xattn.core import gemm_bwd_plan
-    from xattn.torch.gemm_bwd import gemm_backward_varlen
+    from xattn.torch.gemm_bwd import gemm_backward_equal_documents, gemm_backward_varlen
     from xattn.torch.gemm_bwd_segments import gemm_backward_segments
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,6 +47,10 @@ def main(argv=None):
             "segments": lambda: gemm_backward_segments(dout, q, k, v, out, lse, lens, softmax_scale=scale,
                                                        causal=True),
         }
+        equal = gemm_bwd_plan.equal_documents(lens, lens)
+        if equal is not None:  # the "dense" layout: views of one dense batch
+            runs["dense"] = lambda: gemm_backward_equal_documents(dout, q, k, v, out, lse, *equal, softmax_scale=scale,
+                                                                  causal=True)
         bwd_flops = causal_flops(lens) / 3.5 * 2.5
         row = dict(docs=spec, num_docs=len(lens), total_tokens=t, heads_q=HQ, heads_kv=HKV, head_dim=D,
                    causal=True, dtype="bfloat16", rule=gemm_bwd_plan.packed_layout(lens, lens, HQ),
@@ -63,14 +68,15 @@ def main(argv=None):
             row[f"{name}_bwd_tflops"] = round(bwd_flops / ms / 1e9, 1)
             row[f"{name}_host_ms"] = round(host, 2)
         row["max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
-                                  for a, b in zip(grads["groups"], grads["segments"]))
+                                  for name in grads for a, b in zip(grads["groups"], grads[name]))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print("| documents | groups bwd TFLOP/s | segments bwd TFLOP/s | host ms (groups / segments) | rule |")
-    print("|---|---|---|---|---|")
+    print("| documents | dense views bwd TFLOP/s | groups | segments | host ms (dense / groups / segments) | rule |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['docs']} ({r['num_docs']}) | {r['groups_bwd_tflops']} | {r['segments_bwd_tflops']} | "
-              f"{r['groups_host_ms']} / {r['segments_host_ms']} | {r['rule']} |")
+        print(f"| {r['docs']} ({r['num_docs']}) | {r.get('dense_bwd_tflops', '-')} | {r['groups_bwd_tflops']} | "
+              f"{r['segments_bwd_tflops']} | {r.get('dense_host_ms', '-')} / {r['groups_host_ms']} / "
+              f"{r['segments_host_ms']} | {r['rule']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(benchmark="packed_layouts", rows=rows), f, indent=1)

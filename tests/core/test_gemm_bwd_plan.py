@@ -224,12 +224,17 @@ def test_segment_plan_bounds_hold_for_any_mix(causal):
 
 @pytest.mark.parametrize("lens_q, lens_k, layout", [
     ([3000, 100, 5000, 17], None, "segments"),   # a mix of lengths: several groups
-    ([2048] * 4, None, "groups"),                # equal documents: one dense batch
+    ([2048] * 4, None, "dense"),                 # equal documents: views of one dense batch
+    ([0, 2048, 0, 2048], None, "dense"),         # empty documents take no rows
+    ([300, 300], [500, 500], "dense"),           # equal per side
     ([2048, 2000, 1990], None, "groups"),        # lengths within one group's fill
     ([300, 40], [300, 50], "groups"),            # queries and keys differ (not self-attention)
+    ([300, 300], [300, 0], "groups"),            # a document without keys
 ])
 def test_packed_layout(lens_q, lens_k, layout):
-    assert gb.packed_layout(lens_q, lens_k or lens_q, 32) == layout
+    lens_k = lens_k or lens_q
+    assert gb.packed_layout(lens_q, lens_k, 32) == layout
+    assert (gb.equal_documents(lens_q, lens_k) is not None) == (layout == "dense")
 
 
 @pytest.mark.parametrize("lens, hq, hkv, causal, budget", [

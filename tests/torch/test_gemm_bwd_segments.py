@@ -119,3 +119,38 @@ def test_gemm_route_dispatches_a_mix_to_the_segments(monkeypatch):
     assert calls == [lens]
     for name, x, r in zip(("dq", "dk", "dv"), got, want):
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
+
+
+@pytest.mark.parametrize("lens, hq, hkv, causal, extra", [
+    ((40, 0, 40, 40), 4, 2, True, 3),     # an empty document between equal ones, rows after the last
+    ((96, 96), 8, 1, False, 0),           # not causal, GQA 8
+])
+def test_equal_documents_run_as_one_dense_batch(monkeypatch, lens, hq, hkv, causal, extra):
+    """A packed batch whose documents share one length is a dense batch: ops._gemm_bwd runs the dense driver
+    on views of it (no gather, no segments), gradients fp64's, 0 after the last document."""
+    import xattn.torch.ops as ops
+
+    q, k, v, dout, cu = _case(lens, hq, hkv, extra, d=512, seed=len(lens))
+    scale = 512 ** -0.5
+    out, lse, want = _want(q, k, v, dout, cu, scale, causal)
+    seen, real = [], gb.gemm_backward
+
+    def dense_on_standins(*a, **kw):
+        seen.append(tuple(a[1].shape))
+        return real(*a, **{**kw, "gemms": gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)})
+
+    monkeypatch.setattr(gb, "gemm_backward", dense_on_standins)
+    monkeypatch.setattr(gb, "gemm_backward_varlen", lambda *a, **kw: pytest.fail("took the grouped route"))
+    monkeypatch.setattr(seg, "gemm_backward_segments", lambda *a, **kw: pytest.fail("took the segments"))
+    monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
+    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    n = max(lens)
+    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu, cu, n, n)
+    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, (list(lens), list(lens)),
+                        (cu, cu, n, n))
+    docs = sum(1 for x in lens if x)
+    assert seen == [(docs, n, hq, 512)]
+    for name, x, r, ref in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        assert x.shape == ref.shape, name
+        assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
+        assert not x[sum(lens):].any(), name

@@ -13,7 +13,8 @@ from tests.reference import attention_bwd
 from xattn.core import gemm_bwd_plan
 from xattn.torch import gemm_bwd, gemm_bwd_segments
 
-DRIVERS = {"groups": (gemm_bwd, "gemm_backward_varlen"), "segments": (gemm_bwd_segments, "gemm_backward_segments")}
+DRIVERS = {"groups": (gemm_bwd, "gemm_backward_varlen"), "segments": (gemm_bwd_segments, "gemm_backward_segments"),
+           "dense": (gemm_bwd, "gemm_backward_equal_documents")}
 
 pytestmark = pytest.mark.gpu
 
@@ -80,6 +81,15 @@ def _check(monkeypatch, lens_q, lens_k, hq, hkv, dtype, causal, seed, layout="gr
 def test_documents_0_1_17_1000_8192(monkeypatch, g, causal, layout):
     lens = [0, 1, 17, 1000, 8192, 300]
     _check(monkeypatch, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=g * 2 + causal, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["dense", "groups", "segments"])
+@pytest.mark.parametrize("g, causal", [(1, False), (8, True)])
+def test_equal_documents(monkeypatch, layout, g, causal):
+    """Documents of one length (with empty ones between them): views of one dense batch by default, and the
+    same gradients on the other two layouts."""
+    lens = [0, 3000, 3000, 0, 3000]
+    _check(monkeypatch, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=30 + g, layout=layout)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -168,11 +178,12 @@ def test_autograd_backward_reads_the_forwards_copy_of_cu_seqlens():
     assert all(torch.equal(x.grad, g) for x, g in zip((qg, kg, vg), grads))
 
 
-@pytest.mark.parametrize("lens, layout", [([2100, 3000, 2500], "segments"), ([2048] * 3, "groups")])
+@pytest.mark.parametrize("lens, layout", [([2100, 3000, 2500], "segments"), ([2048] * 3, "dense"),
+                                          ([2048, 2000, 1990], "groups")])
 def test_default_route_through_autograd(monkeypatch, lens, layout):
     """Gemma 4 global-layer heads (GQA 8, causal), documents past the table's threshold: xt.attention
     with cu_seqlens takes the GEMM backward by default (a mix of lengths on the segments, equal
-    documents as one dense batch), gradients close to fp64."""
+    documents as one dense batch, lengths within one group's fill grouped), gradients close to fp64."""
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     module, name = DRIVERS[layout]
     calls, real = [], getattr(module, name)
@@ -190,14 +201,16 @@ def test_default_route_through_autograd(monkeypatch, lens, layout):
         assert (x.double() - r).norm() / r.norm() < 1e-2, name
 
 
-@pytest.mark.parametrize("layout", ["groups", "segments"])
-def test_varlen_memory_within_the_documented_bound(monkeypatch, layout):
+MIX = [0, 17, 1000, 3000, 1500, 90]
+
+
+@pytest.mark.parametrize("layout, lens", [("groups", MIX), ("segments", MIX), ("dense", [0, 1500, 1500, 1500])])
+def test_varlen_memory_within_the_documented_bound(monkeypatch, layout, lens):
     from xattn.core.gemm_bwd_plan import varlen_workspace_bytes
 
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "64")
     monkeypatch.setattr(gemm_bwd_plan, "packed_layout", lambda *a, **kw: layout)
-    lens = [0, 17, 1000, 3000, 1500, 90]
     q, k, v, dout = _packed(lens, lens, 8, 2, torch.bfloat16, seed=4)
     cu = _cu(lens)
     out, lse = ops.fwd(q, k, v, "ffpa", SCALE, True, -1, -1, cu, cu, max(lens), max(lens))

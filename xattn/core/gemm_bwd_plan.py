@@ -56,7 +56,8 @@ __all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose
            "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
            "varlen_workspace_bytes", "split_short_groups", "SegmentPlan", "segment_plan", "segment_offsets",
            "segment_block_tables", "segment_launches",
-           "segment_workspace_bytes", "packed_layout"]
+           "segment_workspace_bytes", "packed_layout",
+           "PACKED_LAYOUTS", "equal_documents"]
 
 ROUTES = ("auto", "ffpa", "gemm")
 DEFAULT_BUDGET_MIB = 2048
@@ -348,11 +349,33 @@ def split_short_groups(groups, qhead_per_kvhead: int, route: str | None = None) 
     return long, short
 
 
+PACKED_LAYOUTS = ("dense", "segments", "groups")
+
+
+def equal_documents(seqlens_q, seqlens_k) -> tuple[int, int, int] | None:
+    """``(documents, nq, nk)`` when every document with rows or keys has the same lengths on its side (a
+    packed batch that *is* a dense ``[documents, n, H, D]`` batch, empty documents taking no rows), else None."""
+    pairs = {(int(a), int(b)) for a, b in zip(seqlens_q, seqlens_k) if a or b}
+    if len(pairs) != 1:
+        return None
+    (nq, nk), = pairs
+    if not (nq and nk):
+        return None
+    return sum(1 for a, b in zip(seqlens_q, seqlens_k) if a or b), nq, nk
+
+
 def packed_layout(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None) -> str:
-    """How a packed batch on the GEMM backward runs (host lengths: torch): ``"segments"``
-    (:func:`segment_plan`: one GEMM per row block over every document) for self-attention documents
-    (the same lengths on both sides) that :func:`varlen_groups` would cut into more than one group,
-    else ``"groups"`` (:func:`varlen_groups`: dense batches of documents of about one length)."""
+    """How a packed batch on the GEMM backward runs (host lengths: torch), one of :data:`PACKED_LAYOUTS`:
+    ``"dense"`` when its documents all have one length (:func:`equal_documents`: views of one dense batch,
+    the dense route itself); ``"segments"`` (:func:`segment_plan`: one GEMM per row block over every
+    document) for self-attention documents (the same lengths on both sides) that :func:`varlen_groups`
+    cuts into more than one group; else ``"groups"`` (:func:`varlen_groups`: documents of about one
+    length gathered into dense batches). H200, Hq32/Hkv4 d512 causal bf16, backward TFLOP/s groups vs
+    segments (``benchmarks/tools/packed_layouts.py``, ``results/packed_layouts_h200.json``): equal
+    documents 317 vs 313 (8 × 2k) ... 478 vs 452 (1 × 16k), where the dense route itself is faster than
+    either; mixes 210 vs 327 (mix16k, the grouped route host-bound there), 347 vs 365 (mix64k)."""
+    if equal_documents(seqlens_q, seqlens_k) is not None:
+        return "dense"
     if [int(n) for n in seqlens_q] != [int(n) for n in seqlens_k]:
         return "groups"
     return "segments" if len(varlen_groups(seqlens_q, seqlens_k, heads_q, budget)) > 1 else "groups"
@@ -366,16 +389,22 @@ def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, he
     padded batch (gathered q/dout/dq and K/V count as that bound's row and key copies), its
     16-bit dK/dV before they are scattered ``4·elem·G·Hkv·Nk8·D`` more than the bound's K/V copies,
     and the gather/scatter indices ``(8·3 + 2)·G·Hq·Nq_pad + (8·2 + 1)·G·Hkv·Nk8``. A batch that
-    :func:`packed_layout` runs as segments takes :func:`segment_workspace_bytes` instead.
+    :func:`packed_layout` runs as segments takes :func:`segment_workspace_bytes` instead; one of equal
+    documents, :func:`workspace_bytes` of that dense batch plus a copy of its gradients.
 
     Under ``route`` ``auto`` (default: ``XATTN_BWD_ROUTE``) the documents of
     :func:`split_short_groups` run afterwards on FFPA's varlen backward (the GEMM part is freed by
     then, so the larger of the two counts): their gathered dout/q/out/dq ``4·elem·Tq'·Hq·D`` and
     k/v/dk/dv ``4·elem·Tk'·Hkv·D``, lse ``4·Hq·Tq'``, FFPA's workspace
     (:func:`xattn.core.workspace.bwd_workspace_shapes`) and the index table ``8·(Tq' + Tk' + 2·(B' + 1))``."""
-    if packed_layout(seqlens_q, seqlens_k, heads_q, budget) == "segments":
+    layout = packed_layout(seqlens_q, seqlens_k, heads_q, budget)
+    if layout == "segments":
         return segment_workspace_bytes(sum(seqlens_q), seqlens_q, heads_q, heads_kv, head_dim, causal, budget,
                                        elem_bytes)
+    if layout == "dense":  # the dense route on views; its outputs are copied out where rows follow the last document
+        docs, nq, nk = equal_documents(seqlens_q, seqlens_k)
+        outputs = elem_bytes * docs * (nq * heads_q + 2 * nk * heads_kv) * head_dim
+        return workspace_bytes(docs, nq, nk, heads_q, heads_kv, head_dim, causal, budget, elem_bytes) + outputs
     groups = varlen_groups(seqlens_q, seqlens_k, heads_q, budget)
     groups, short = split_short_groups(groups, heads_q // heads_kv, route)
     per_row = 8 * heads_q * sum(seqlens_q) + DELTA_SLICE_BYTES

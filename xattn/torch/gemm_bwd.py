@@ -21,8 +21,8 @@ from torch import Tensor
 
 from xattn.core import gemm_bwd_plan as plan_mod
 
-__all__ = ["gemm_backward", "gemm_backward_varlen", "CoreGemms", "copy_words", "default_gemms", "launchable_in_place",
-           "row_bias", "row_delta"]
+__all__ = ["gemm_backward", "gemm_backward_varlen", "gemm_backward_equal_documents", "CoreGemms", "copy_words",
+           "default_gemms", "launchable_in_place", "row_bias", "row_delta"]
 
 LOG2E = 1.4426950408889634
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -367,6 +367,30 @@ def gemm_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 def row_bias(lse: Tensor) -> Tensor:
     """``−lse·log2e`` (the probabilities' exponent offset), ``-inf`` where lse is not finite."""
     return torch.where(torch.isfinite(lse), lse * -LOG2E, -math.inf)
+
+
+def gemm_backward_equal_documents(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  documents: int, nq: int, nk: int, *, softmax_scale: float, causal: bool,
+                                  gemms=None) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed backward of ``documents`` documents of ``nq`` queries and ``nk`` keys each, packed from
+    row 0 (q/dout/out ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, lse fp32 ``[Hq, Tq]``): they are one dense
+    ``[documents, n, H, D]`` batch, so :func:`gemm_backward` runs on views of them (no gather). Returns dq
+    ``[Tq, Hq, D]``, dk/dv ``[Tk, Hkv, D]``, 0 on rows after the last document."""
+    rq, rk = documents * nq, documents * nk
+
+    def batch(x, n):
+        return x[:documents * n].unflatten(0, (documents, n))
+
+    lse_b = lse[:, :rq].unflatten(1, (documents, nq)).transpose(0, 1)
+    grads = gemm_backward(batch(dout, nq), batch(q, nq), batch(k, nk), batch(v, nk), batch(out, nq), lse_b,
+                          softmax_scale=softmax_scale, causal=causal, gemms=gemms)
+    full = []
+    for grad, like, rows in zip(grads, (q, k, v), (rq, rk, rk)):
+        grad = grad.flatten(0, 1)
+        if rows < like.shape[0]:  # rows after the last document: zero gradients
+            grad = torch.cat([grad, grad.new_zeros(like.shape[0] - rows, *like.shape[1:])])
+        full.append(grad)
+    return tuple(full)
 
 
 def _group_rows(starts: Tensor, lengths: Tensor, pad: int) -> tuple[Tensor, Tensor]:

@@ -272,17 +272,20 @@ def _gemm_bwd(plan, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(N
     checks the core's launchers would make (q, k, v stand in for the dq, dk, dv it allocates itself); a
     packed batch passes its (query, key) document ``lengths`` and ``varlen_args`` = (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
-    from .gemm_bwd import gemm_backward, gemm_backward_varlen
+    from .gemm_bwd import gemm_backward, gemm_backward_equal_documents, gemm_backward_varlen
 
     _check_buffers(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), *varlen_args[:2])
     causal = plan[0].causal
     if lengths is None:
         return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
-    if _gemm_route.packed_layout(*lengths, q.shape[1]) == "segments":
+    layout = _gemm_route.packed_layout(*lengths, q.shape[1])
+    _log.debug("xattn backward route gemm: %d documents, packed layout %s", len(lengths[0]), layout)
+    if layout == "dense":
+        return gemm_backward_equal_documents(dout, q, k, v, out, lse, *_gemm_route.equal_documents(*lengths),
+                                             softmax_scale=scale, causal=causal)
+    if layout == "segments":
         from .gemm_bwd_segments import gemm_backward_segments
 
-        _log.debug("xattn backward route gemm: %d documents in row blocks across documents (segments)",
-                   len(lengths[0]))
         return gemm_backward_segments(dout, q, k, v, out, lse, lengths[0], softmax_scale=scale, causal=causal)
     groups = _gemm_route.varlen_groups(*lengths, q.shape[1])
     groups, short = _gemm_route.split_short_groups(groups, q.shape[1] // k.shape[1])
