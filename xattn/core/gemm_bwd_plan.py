@@ -370,10 +370,11 @@ def packed_layout(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None)
     the dense route itself); ``"segments"`` (:func:`segment_plan`: one GEMM per row block over every
     document) for self-attention documents (the same lengths on both sides) that :func:`varlen_groups`
     cuts into more than one group; else ``"groups"`` (:func:`varlen_groups`: documents of about one
-    length gathered into dense batches). H200, Hq32/Hkv4 d512 causal bf16, backward TFLOP/s groups vs
-    segments (``benchmarks/tools/packed_layouts.py``, ``results/packed_layouts_h200.json``): equal
-    documents 317 vs 313 (8 × 2k) ... 478 vs 452 (1 × 16k), where the dense route itself is faster than
-    either; mixes 210 vs 327 (mix16k, the grouped route host-bound there), 347 vs 365 (mix64k)."""
+    length gathered into dense batches). H200, Hq32/Hkv4 d512 causal bf16, backward TFLOP/s on the same
+    out/lse, dense views / groups / segments (``benchmarks/tools/packed_layouts.py``,
+    ``results/packed_layouts_h200.json``): 8 × 2k 344.9 / 315.1 / 312.6 ... 1 × 16k 482.6 / 476.3 / 450.8;
+    mix16k groups 273.2 vs segments 313.6, mix64k 353.2 vs 362.1 (and the groups' host time per call is
+    2.3x / 1.4x the segments': 8.9 vs 3.9 ms on mix16k)."""
     if equal_documents(seqlens_q, seqlens_k) is not None:
         return "dense"
     if [int(n) for n in seqlens_q] != [int(n) for n in seqlens_k]:
