@@ -45,6 +45,18 @@ def bench_ms(fn) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def bench_and_host_ms(fn) -> tuple[float, float]:
+    """``(bench_ms(fn), host ms of one more call)``: the GPU-time median, and the wall time one call takes to
+    enqueue its work (the stream idle before and after it)."""
+    ms = bench_ms(fn)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    return ms, host
+
+
 def cuda_profile(fn, reps: int):
     """``fn`` once (warm-up), then ``reps`` calls under ``torch.profiler`` (CUDA activity); the profiler."""
     fn()

@@ -12,13 +12,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.bench import bench_ms  # noqa: E402
+from benchmarks.bench import bench_and_host_ms  # noqa: E402
 from benchmarks.packed import D, DEFAULT_DOCS, HKV, HQ, causal_flops, documents  # noqa: E402
 
 
@@ -58,12 +57,7 @@ def main(argv=None):
         grads = {}
         for name, run in runs.items():
             grads[name] = run()
-            ms = bench_ms(run)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            run()
-            host = (time.perf_counter() - t0) * 1e3
-            torch.cuda.synchronize()
+            ms, host = bench_and_host_ms(run)
             row[f"{name}_bwd_ms"] = round(ms, 3)
             row[f"{name}_bwd_tflops"] = round(bwd_flops / ms / 1e9, 1)
             row[f"{name}_host_ms"] = round(host, 2)

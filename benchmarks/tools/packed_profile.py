@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.bench import bench_ms, cuda_profile  # noqa: E402
+from benchmarks.bench import bench_and_host_ms, cuda_profile  # noqa: E402
 from benchmarks.packed import D, HKV, HQ, causal_flops, documents  # noqa: E402
 
 
@@ -42,12 +41,7 @@ def main(argv=None):
             prof = cuda_profile(run, 3)
             print(f"=== {spec} {name} ({len(lens)} documents): CUDA time of 3 backwards ===")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
-            ms = bench_ms(run)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            run()
-            host = (time.perf_counter() - t0) * 1e3
-            torch.cuda.synchronize()
+            ms, host = bench_and_host_ms(run)
             print(f"{spec} {name}: backward {ms:.3f} ms ({f / ms / 1e9:.0f} TFLOP/s), host {host:.2f} ms per call",
                   flush=True)
 
