@@ -92,6 +92,36 @@ def test_equal_documents(monkeypatch, layout, g, causal):
     _check(monkeypatch, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=30 + g, layout=layout)
 
 
+def _random_mix(seed):
+    """Seeded documents: 1-12 of log-uniform lengths 1..3000 with empty ones, or (one draw in four) equal ones."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    if rng.random() < 0.25:
+        return [rng.randint(1, 2500)] * n
+    return [0 if rng.random() < 0.1 else int(math.exp(rng.uniform(0, math.log(3000)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_mixes_on_every_layout(monkeypatch, seed):
+    """A small fuzz of the packed layouts: seeded mixes (GQA 1/4/8, causal or not), each run on every layout
+    that takes it (dense views for equal documents, segments for self-attention, groups always), vs fp64
+    within 1.5x FFPA's varlen backward's error."""
+    import random
+
+    rng = random.Random(1000 + seed)
+    lens = _random_mix(seed)
+    if not any(lens):
+        lens[0] = 1
+    g, causal = rng.choice([1, 4, 8]), rng.random() < 0.6
+    layouts = ["groups", "segments"] + (["dense"] if gemm_bwd_plan.equal_documents(lens, lens) else [])
+    for layout in layouts:
+        with monkeypatch.context() as m:
+            _check(m, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=seed, layout=layout)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_segments_gemma4_heads_and_a_tail_past_the_documents(monkeypatch, dtype):
     """Gemma 4 global-layer heads (Hq 32 / Hkv 4) on the segments: a mix of lengths, N not a tile
