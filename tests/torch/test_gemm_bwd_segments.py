@@ -95,6 +95,29 @@ def test_refuses_documents_past_the_rows(lens):
         seg.gemm_backward_segments(dout, q, k, v, q, torch.zeros(2, 10), lens, softmax_scale=0.2, causal=True)
 
 
+def test_a_mix_with_more_key_rows_than_query_rows_is_grouped(monkeypatch):
+    """cu_seqlens shared by q and k but k with rows after the last document that q lacks: the segments
+    (one row count for both sides) leave it to the length groups, which give fp64's gradients."""
+    import xattn.torch.ops as ops
+
+    lens = [300, 40, 20, 260]
+    q, k, v, dout, cu = _case(lens, 8, 1, 0, d=512, seed=4)
+    k, v = (torch.cat([x, torch.randn(5, *x.shape[1:]).half()]) for x in (k, v))
+    scale = 512 ** -0.5
+    out, lse, want = _want(q, k[:sum(lens)], v[:sum(lens)], dout, cu, scale, True)
+    real = gb.gemm_backward_varlen
+    monkeypatch.setattr(gb, "gemm_backward_varlen", lambda *a, **kw: real(
+        *a, **{**kw, "gemms": gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)}))
+    monkeypatch.setattr(seg, "gemm_backward_segments", lambda *a, **kw: pytest.fail("took the segments"))
+    monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
+    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, (lens, lens), (cu, cu, 300, 300))
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert (x[:sum(lens)].double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
+        assert not x[sum(lens):].any(), name
+
+
 def test_gemm_route_dispatches_a_mix_to_the_segments(monkeypatch):
     """ops._gemm_bwd (the GEMM route of xattn.torch's backward) runs a self-attention mix on the segmented
     driver, with every document on the GEMMs (no short-document split), and its gradients are fp64's."""

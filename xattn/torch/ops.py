@@ -279,6 +279,8 @@ def _gemm_bwd(plan, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(N
     if lengths is None:
         return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
     layout = _gemm_route.packed_layout(*lengths, q.shape[1])
+    if layout == "segments" and q.shape[0] != k.shape[0]:  # its key side shares the query side's row count
+        layout = "groups"
     _log.debug("xattn backward route gemm: %d documents, packed layout %s", len(lengths[0]), layout)
     if layout == "dense":
         return gemm_backward_equal_documents(dout, q, k, v, out, lse, *_gemm_route.equal_documents(*lengths),
