@@ -108,7 +108,8 @@ for step in "$@"; do
               --out "$OUT/results/bwd_routes_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     packed-layouts) timeout "$t" python benchmarks/tools/packed_layouts.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} \
               --out "$OUT/results/packed_layouts_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
-    packed-profile) timeout "$t" python benchmarks/tools/packed_profile.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} 2>&1 \
+    packed-profile) timeout "$t" python benchmarks/tools/packed_profile.py ${PACKED_DOCS:+--docs "$PACKED_DOCS"} \
+              ${PACKED_PASSES:+--passes "$PACKED_PASSES"} 2>&1 \
               | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -120 ;;
     diag-probe) timeout "$t" python benchmarks/tools/diag_pieces_probe.py ${DIAG_SEQLENS:+--seqlens "$DIAG_SEQLENS"} \
               ${DIAG_SHAPES:+--shapes "$DIAG_SHAPES"} ${DIAG_VARIANTS:+--variants "$DIAG_VARIANTS"} \
