@@ -208,6 +208,28 @@ def test_autograd_backward_reads_the_forwards_copy_of_cu_seqlens():
     assert all(torch.equal(x.grad, g) for x, g in zip((qg, kg, vg), grads))
 
 
+def test_forward_copies_cu_seqlens_before_its_kernel():
+    """The forward enqueues its copy of cu_seqlens before its own kernel, so a backward enqueued right
+    after it waits only for the GPU to reach the forward, not to finish it (the micro-benchmark case)."""
+    lens = [2048] * 4
+    q, k, v, _ = _packed(lens, lens, 8, 1, torch.bfloat16, seed=7)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    cu = _cu(lens)
+    kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    xt.attention(qg, kg, vg, **kw)  # warm
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = xt.attention(qg, kg, vg, **kw)
+        torch.cuda.synchronize()
+    assert out.grad_fn.lengths is not None  # the autograd node holds the forward's copy
+    gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    copies = [i for i, e in enumerate(gpu) if "DtoH" in e.name]
+    kernels = [i for i, e in enumerate(gpu) if "ffpa" in e.name.lower() and "fwd" in e.name.lower()]
+    assert copies and kernels, [e.name for e in gpu]
+    assert max(copies) < min(kernels), [e.name for e in gpu]
+
+
 @pytest.mark.parametrize("lens, layout", [([2100, 3000, 2500], "segments"), ([2048] * 3, "dense"),
                                           ([2600, 2500, 2400], "groups")])
 def test_default_route_through_autograd(monkeypatch, lens, layout):

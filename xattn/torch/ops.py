@@ -187,15 +187,16 @@ class _LengthsCopy:
         """The (query, key) document lengths, or None when cu_seqlens were written since the copy."""
         if (cu_q._version, cu_k._version) != self._versions:
             return None
-        self._done.synchronize()  # long done by the time a backward runs
+        self._done.synchronize()  # waits only while the GPU has not yet reached the forward that copied
         return _document_lengths(*(h.tolist() for h in self._host))
 
 
 def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
     """Start :class:`_LengthsCopy` where the backward may take the GEMM route (FFPA head dims, CUDA)."""
     family, q, v, window = spec_args
-    if cu_q is None or not cu_q.is_cuda or family != "ffpa" or torch.cuda.is_current_stream_capturing():
-        return None
+    if not (isinstance(cu_q, Tensor) and isinstance(cu_k, Tensor) and cu_q.is_cuda and cu_k.is_cuda) \
+            or family != "ffpa" or torch.cuda.is_current_stream_capturing():
+        return None  # (bad cu_seqlens reach the forward's checks, which run after this)
     if not _gemm_route.covers(family, q.shape[-1], v.shape[-1], window):
         return None
     return _LengthsCopy(cu_q, cu_k)
@@ -369,12 +370,14 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, params):
         family, scale, causal, wl, wr, max_q, max_k = params
+        # the lengths copy goes on the stream before the kernel: the backward then waits at most for the
+        # GPU to reach this forward, not to finish it (the stream idles less while it enqueues the backward)
+        ctx.lengths = _prefetch_lengths((family, q, v, (None if wl < 0 else wl, None if wr < 0 else wr)), cu_q, cu_k) \
+            if any(ctx.needs_input_grad[:3]) else None
         out, lse = forward_impl(q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.params = params
-        ctx.lengths = _prefetch_lengths((family, q, v, (None if wl < 0 else wl, None if wr < 0 else wr)), cu_q, cu_k) \
-            if any(ctx.needs_input_grad[:3]) else None
         return out, lse
 
     @staticmethod
