@@ -172,8 +172,9 @@ def _document_lengths(cu_q: list, cu_k: list) -> tuple[list, list]:
 
 
 class _LengthsCopy:
-    """An asynchronous copy of cu_seqlens_q/k to pinned host memory, started by the forward so that
-    the backward reads the document lengths without waiting for the GPU (:func:`_bwd_route`)."""
+    """An asynchronous copy of cu_seqlens_q/k to pinned host memory, enqueued by the forward ahead of its
+    kernel, so that the backward reads the document lengths (:func:`_bwd_route`) waiting at most for the
+    GPU to reach that forward, not for all the GPU work queued before the backward."""
 
     def __init__(self, cu_q: Tensor, cu_k: Tensor):
         self._host = [torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True) for cu in (cu_q, cu_k)]
