@@ -1,36 +1,10 @@
-"""The chunked-GEMM backward's framework-neutral part: route choice, blocks, memory bound."""
+"""The chunked-GEMM backward's framework-neutral plans: blocks, groups, segments, memory bound
+(the route choice: test_routes.py)."""
 
 import pytest
 
 from xattn.core import gemm_bwd_plan as gb
-
-
-def test_route_table_follows_the_measurements(monkeypatch):
-    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
-    assert gb.choose("ffpa", 512, 512, 8, True, seqlen_k=2048).route == "gemm"
-    assert gb.choose("ffpa", 512, 512, 8, True, seqlen_k=1024).route == "ffpa"
-    assert gb.choose("ffpa", 512, 512, 1, True, seqlen_k=4096).route == "ffpa"
-    assert gb.choose("ffpa", 512, 512, 1, False, seqlen_k=8192).route == "gemm"
-    assert gb.choose("ffpa", 512, 512, 8, True, varlen=True, seqlen_k=4096).route == "gemm"
-    short = gb.choose("ffpa", 512, 512, 8, True, varlen=True, seqlen_k=512)
-    assert short.route == "ffpa" and "keys per row's document 512" in short.reason
-    assert gb.choose("ffpa", 512, 512, 8, False, window=(128, 0), seqlen_k=1 << 16).route == "ffpa"
-    assert gb.choose("fa4", 128, 128, 8, True, seqlen_k=1 << 16).route == "fa4"
-
-
-def test_forced_routes(monkeypatch):
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
-    assert gb.choose("ffpa", 512, 512, 1, True, seqlen_k=64).route == "gemm"
-    assert gb.choose("ffpa", 512, 512, 1, True, varlen=True, seqlen_k=64).route == "gemm"
-    with pytest.raises(ValueError, match="sliding windows"):
-        gb.choose("ffpa", 512, 512, 1, False, window=(64, 0), seqlen_k=64)
-    with pytest.raises(ValueError, match="fa4 keeps"):
-        gb.choose("fa4", 128, 128, 1, True, seqlen_k=64)
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
-    assert gb.choose("ffpa", 512, 512, 8, True, seqlen_k=1 << 16).route == "ffpa"
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "fastest")
-    with pytest.raises(ValueError, match="XATTN_BWD_ROUTE='fastest'"):
-        gb.choose("ffpa", 512, 512, 8, True, seqlen_k=1 << 16)
+from xattn.core.workspace import round_up
 
 
 @pytest.mark.parametrize("raw", ["0", "-3", "lots"])
@@ -97,11 +71,6 @@ def test_workspace_bound_counts_every_buffer():
     assert got >= scores + 8 * b * hkv * nk * d + 3 * 2 * b * hq * p.padded_q * d + keys + gb.DELTA_SLICE_BYTES
 
 
-def test_info_lists_the_route_table():
-    lines = gb.route_table()
-    assert any("GQA group >= 8" in x for x in lines) and any("XATTN_BWD_ROUTE" in x for x in lines)
-
-
 def test_varlen_groups_by_length():
     lens = [0, 1, 17, 1000, 8192, 2048, 2000, 60, 900, 880]
     groups = gb.varlen_groups(lens, lens, 32)
@@ -125,8 +94,8 @@ def test_varlen_groups_pad_little():
     assert sorted(i for grp in groups for i in grp.docs) == list(range(300))
     for grp in groups:
         for i in grp.docs:
-            assert lens[i] <= grp.pad_q <= max(gb._align(int(lens[i] / gb.GROUP_FILL) + 1, gb.GROUP_ALIGN),
-                                               gb._align(lens[i], gb.GROUP_ALIGN))
+            assert lens[i] <= grp.pad_q <= max(round_up(int(lens[i] / gb.GROUP_FILL) + 1, gb.GROUP_ALIGN),
+                                               round_up(lens[i], gb.GROUP_ALIGN))
     assert len(groups) < 60
 
 
@@ -172,23 +141,6 @@ def test_diagonal_pieces_cover_each_block_within_its_causal_limit(nq, nk, rows, 
         gb.plan(1, nq, nk, 4, True, rows=rows, pieces=0)
 
 
-def test_short_groups_split_off_under_auto(monkeypatch):
-    """Under the auto route, groups padded under the table's key count leave the GEMMs (their documents,
-    sorted); forced routes keep every group; the memory bound then counts the fused call's sub-batch."""
-    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
-    lens = [4000, 300, 0, 17, 2100, 1000, 1]
-    groups = gb.varlen_groups(lens, lens, 8)
-    long, short = gb.split_short_groups(groups, 8)
-    assert [grp.docs for grp in long] == [(0,), (4,)] and short == (1, 3, 5, 6)
-    assert gb.split_short_groups(groups, 1)[1] == (0, 1, 3, 4, 5, 6)  # no GQA: GEMMs from 8192 keys
-    assert gb.split_short_groups(groups, 8, route="gemm") == (groups, ())
-    many = [2048] + [100] * 500
-    monkeypatch.setattr(gb, "packed_layout", lambda *a, **kw: "groups")  # the grouped route's bound
-    auto, forced = (gb.varlen_workspace_bytes(many, many, 8, 1, 512, True, route=r) for r in ("auto", "gemm"))
-    sub = 4 * 2 * 500 * 100 * 9 * 512  # gathered dout/q/out/dq (8 heads) and k/v/dk/dv (1 head)
-    assert sub < auto < forced  # the short documents cost less memory on the fused kernel, too
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_segment_plan_bounds_hold_for_any_mix(causal):
     """segment_plan's static bounds hold for random documents: each block's rows per KV head, the keys a
@@ -220,21 +172,6 @@ def test_segment_plan_bounds_hold_for_any_mix(causal):
         assert sum(n for _, n in p.head_groups) == 2 and all(n == per_launch for _, n in p.head_groups)
         if rows is None and p.rows > 64:  # the budget picked rows and heads per launch
             assert max(BYTES_PER_SCORE * 4 * m * k for k, m in p.blocks) * per_launch <= budget
-
-
-@pytest.mark.parametrize("lens_q, lens_k, layout", [
-    ([3000, 100, 5000, 17], None, "segments"),   # a mix of lengths: several groups
-    ([2048] * 4, None, "dense"),                 # equal documents: views of one dense batch
-    ([0, 2048, 0, 2048], None, "dense"),         # empty documents take no rows
-    ([300, 300], [500, 500], "dense"),           # equal per side
-    ([2048, 2000, 1990], None, "groups"),        # lengths within one group's fill
-    ([300, 40], [300, 50], "groups"),            # queries and keys differ (not self-attention)
-    ([300, 300], [300, 0], "groups"),            # a document without keys
-])
-def test_packed_layout(lens_q, lens_k, layout):
-    lens_k = lens_k or lens_q
-    assert gb.packed_layout(lens_q, lens_k, 32) == layout
-    assert (gb.equal_documents(lens_q, lens_k) is not None) == (layout == "dense")
 
 
 @pytest.mark.parametrize("lens, hq, hkv, causal, budget", [

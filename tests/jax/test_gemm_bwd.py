@@ -136,8 +136,14 @@ def test_padded_packed_driver_vs_fp64(gemm_standin, lens, max_len, causal):
                                              softmax_scale=scale, causal=causal)
     args = (dout, q, k, v, out[0].astype(q.dtype), lse[0], cu, cu)
     got = jax.jit(run)(*args)
-    gathers = "gather" in str(jax.make_jaxpr(run)(*args))
-    assert gathers == (len(lens) * max_len != t)  # documents filling B x max_seqlen are used in place
+    jaxpr = jax.make_jaxpr(run)(*args).jaxpr
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    # B x max_seqlen == T: a device-side choice between the packed tensors in place (no gather) and the
+    # gathered batch (cu[-1] < T: rows after the last document, issue #42); else the gathered batch alone
+    assert bool(conds) == (len(lens) * max_len == t)
+    if conds:
+        branches = [str(b) for b in conds[0].params["branches"]]
+        assert sum("gather" not in b for b in branches) == 1
     for name, x, r in zip(("dq", "dk", "dv"), got, want):
         assert x.shape == r.shape[1:] and x.dtype == q.dtype, name
         err = float(jnp.max(jnp.abs(x.astype(jnp.float32) - r[0])))
@@ -145,57 +151,51 @@ def test_padded_packed_driver_vs_fp64(gemm_standin, lens, max_len, causal):
 
 
 def test_packed_route_is_static(gemm_standin, caplog, monkeypatch):
-    """Through xattn.jax.varlen_attention: documents about max_seqlen long with one cu_seqlens take the
-    padded GEMM route; different cu_seqlens objects (causal) or a loose max_seqlen keep FFPA's."""
+    """Through xattn.jax.varlen_attention's route (xattn.core.routes, kind "traced"): documents about
+    max_seqlen long take the padded GEMM route; a causal call with two cu_seqlens objects keeps FFPA's under
+    auto (no causal block skipping there) but the padded route serves it when forced; a loose max_seqlen with
+    one object takes the segments, decided on the device."""
+    import dataclasses
     import logging
 
-    from xattn.core import gemm_bwd_plan as route_table
+    from xattn.core import routes
     from xattn.jax import varlen as jv
 
-    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
-    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", True)
+    monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 0),))
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
-    calls = []
-    real = gb.gemm_backward_padded
-    monkeypatch.setattr(gb, "gemm_backward_padded", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, dout, cu = (x.astype(jnp.float16) for x in _packed([64, 64], 2, 1, 512, seed=1))
     cfg = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)
     spec = cfg.base.spec("bwd", q, k, v, cu.astype(jnp.int32), cu.astype(jnp.int32), 64, 64)
-    import dataclasses
-
     same = dataclasses.replace(cfg, same_segments=True)
-    monkeypatch.setattr(jv, "SEGMENT_GEMM_BY_DEFAULT", False)
     with caplog.at_level(logging.DEBUG, logger="xattn"):
-        assert jv._packed_gemm_route(same, spec, q, k, cu) == "padded"
-        assert jv._packed_gemm_route(cfg, spec, q, k, cu) is None  # causal, cu_seqlens_q is not cu_seqlens_k
+        assert jv.packed_route(same, spec, q, k, cu).name == "gemm-padded"
+        two = jv.packed_route(cfg, spec, q, k, cu)  # causal, cu_seqlens_q is not cu_seqlens_k
+        assert two.name == "fused" and "one cu_seqlens object" in two.reason
         loose = dataclasses.replace(same, max_seqlen_q=128, max_seqlen_k=128)
-        assert jv._packed_gemm_route(loose, spec, q, k, cu) is None  # the segmented route is off by default
-        full = dataclasses.replace(jv._config("ffpa", q, None, False, (None, None), "kernel", 128, 128))
-        assert jv._packed_gemm_route(full, spec, q, k, cu) is None  # loose, and two cu_seqlens objects
-    assert "needs cu_seqlens_q is cu_seqlens_k" in caplog.text and "would cost more" in caplog.text
-    assert "SEGMENT_GEMM_BY_DEFAULT" in caplog.text
-    monkeypatch.setattr(jv, "SEGMENT_GEMM_BY_DEFAULT", True)
-    assert jv._packed_gemm_route(loose, spec, q, k, cu) == "segments"
-    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", False)  # the switch that leaves it to XATTN_BWD_ROUTE=gemm
-    assert jv._packed_gemm_route(same, spec, q, k, cu) is None
+        assert jv.packed_route(loose, spec, q, k, cu).name == "gemm-segments|fused"
+        full = jv._config("ffpa", q, None, False, (None, None), "kernel", 128, 128)
+        assert "would cost more" in jv.packed_route(full, spec, q, k, cu).reason  # loose, two objects
+    monkeypatch.setattr(routes, "SEGMENTS_BY_DEFAULT", False)
+    assert "SEGMENTS_BY_DEFAULT" in jv.packed_route(loose, spec, q, k, cu).reason
+    monkeypatch.setattr(routes, "PADDED_BY_DEFAULT", False)  # the switch that leaves it to a forced route
+    assert jv.packed_route(same, spec, q, k, cu).name == "fused"
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     forced = jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64)
-    with pytest.raises(ValueError, match="XATTN_BWD_ROUTE=gemm"):
-        jv._packed_gemm_route(forced, spec, q, k, cu)
-    assert jv._packed_gemm_route(dataclasses.replace(forced, same_segments=True, max_seqlen_q=128,
-                                                     max_seqlen_k=128), spec, q, k, cu) == "segments"
+    assert jv.packed_route(forced, spec, q, k, cu).name == "gemm-padded"
+    assert jv.packed_route(dataclasses.replace(forced, same_segments=True, max_seqlen_q=128, max_seqlen_k=128),
+                           spec, q, k, cu).name == "gemm-segments"
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm-segments")
+    with pytest.raises(ValueError, match="XATTN_BWD_ROUTE=gemm-segments: segments need self-attention"):
+        jv.packed_route(jv._config("ffpa", q, None, True, (None, None), "kernel", 64, 64), spec, q, k, cu)
 
 
 def test_varlen_attention_grads_on_the_padded_route(gemm_standin, monkeypatch):
     """jax.grad through xattn.jax.varlen_attention (kernel backend, stand-ins): the padded GEMM route is
     taken and its gradients match FFPA's varlen backward route's."""
-    from xattn.core import gemm_bwd_plan as route_table
     import xattn.jax as xj
+    from xattn.core import routes
 
-    from xattn.jax import varlen as jv
-
-    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
-    monkeypatch.setattr(jv, "PADDED_GEMM_BY_DEFAULT", True)
+    monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 0),))
     calls = []
     real = gb.gemm_backward_padded
     monkeypatch.setattr(gb, "gemm_backward_padded", lambda *a, **kw: calls.append(1) or real(*a, **kw))

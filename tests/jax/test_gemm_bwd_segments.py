@@ -89,9 +89,9 @@ def test_auto_route_decides_on_the_device(gemm_standin, monkeypatch, lens, long_
     GEMMs only where the keys an average row's document holds reach the route table's count (a lax.cond on
     the traced lengths, one jitted function for both): otherwise FFPA's varlen backward. Both vs fp64."""
     import xattn.jax as xj
-    from xattn.core import gemm_bwd_plan as route_table
+    from xattn.core import routes
 
-    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 60),))
+    monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 60),))
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     rng = np.random.default_rng(len(lens))
     t = sum(lens)

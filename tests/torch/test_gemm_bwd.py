@@ -7,6 +7,8 @@ import torch
 
 from tests import numpy_gemm
 from tests.reference import attention, attention_bwd, varlen_attention
+from xattn.core import routes
+from xattn.core.workspace import round_up
 from xattn.torch import gemm_bwd as gb
 
 pytest.importorskip("tvm_ffi")
@@ -202,7 +204,8 @@ def test_varlen_groups_share_launches():
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item())
 
 
-@pytest.mark.parametrize("lens, route", [([2048] * 3, "gemm"), ([3000, 100, 5000], "gemm"), ([512] * 8, "ffpa")])
+@pytest.mark.parametrize("lens, route", [([2048] * 3, "gemm-dense"), ([3000, 100, 5000], "gemm-segments"),
+                                         ([512] * 8, "fused")])
 def test_varlen_route_reads_document_lengths(monkeypatch, lens, route):
     """A packed d512 batch routes by the keys an average row's document holds (GQA 8: GEMM from 2048)."""
     import xattn.torch.ops as ops
@@ -212,10 +215,10 @@ def test_varlen_route_reads_document_lengths(monkeypatch, lens, route):
     q, k = torch.empty(t, 8, 512, dtype=torch.bfloat16), torch.empty(t, 1, 512, dtype=torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     spec = ops._plan("bwd", "ffpa", q, k, k, True, -1, -1, cu, cu, max(lens), max(lens))[0]
-    choice, lengths = ops._bwd_route(spec, k, cu, cu)
-    assert choice.route == route and lengths == (lens, lens)
+    chosen, lengths = ops._bwd_route(spec, q, k, cu, cu)
+    assert chosen.name == route and lengths == (lens, lens)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")  # the forced FFPA route never reads cu_seqlens
-    assert ops._bwd_route(spec, k, cu, cu)[1] is None
+    assert ops._bwd_route(spec, q, k, cu, cu)[1] is None
 
 
 def test_varlen_route_under_cuda_graph_capture_needs_no_lengths(monkeypatch):
@@ -233,8 +236,8 @@ def test_varlen_route_under_cuda_graph_capture_needs_no_lengths(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     cu_dev = cu.as_subclass(CudaLike)
-    choice, lengths = ops._bwd_route(spec, k, cu_dev, cu_dev)
-    assert choice.route == "ffpa" and "CUDA graph capture" in choice.reason and lengths is None
+    route, lengths = ops._bwd_route(spec, q, k, cu_dev, cu_dev)
+    assert route.name == "fused" and "CUDA graph capture" in route.reason and lengths is None
 
 
 @pytest.mark.parametrize("lens_q, lens_k, causal", [
@@ -253,8 +256,7 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
     q, k, v, dout, cu_q, cu_k = _varlen_case(lens_q, lens_k, 8, 1, d=d, seed=len(lens_q))
     scale = d ** -0.5
     out, lse, want = _varlen_want(q, k, v, dout, cu_q, cu_k, scale, causal)
-    monkeypatch.setattr(gb.plan_mod, "MIN_KEYS_BY_GROUP", ((1, 256),))
-    monkeypatch.setattr(gb.plan_mod, "packed_layout", lambda *a, **kw: "groups")  # the grouped route's split
+    monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 256),))
     real = gb.gemm_backward_varlen
     gemm_docs, fused = [], []
 
@@ -281,17 +283,16 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
     lengths = (lens_q, lens_k)
     plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu_q, cu_k,
                      max(lens_q), max(lens_k))
-    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, lengths,
+    got = ops._gemm_bwd(plan, "gemm-groups+fused", dout, q, k, v, out.half(), lse.float(), scale, lengths,
                         (cu_q, cu_k, max(lens_q), max(lens_k)))
-    short = [i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a and b and gb.plan_mod._align(b, 64) < 256]
+    short = [i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a and b and round_up(b, 64) < 256]
     assert sorted(gemm_docs) == [i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a and b and i not in short]
     assert fused == [sum(lens_q[i] for i in short)]
     for name, x, r in zip(("dq", "dk", "dv"), got, want):
         err = (x.double() - r).abs().max().item()
         assert err < 2e-2 * max(1.0, r.abs().max().item()), (name, err)
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     gemm_docs.clear(), fused.clear()
-    ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, lengths,
+    ops._gemm_bwd(plan, "gemm-groups", dout, q, k, v, out.half(), lse.float(), scale, lengths,
                   (cu_q, cu_k, max(lens_q), max(lens_k)))
     assert not fused and len(gemm_docs) == sum(1 for a, b in zip(lens_q, lens_k) if a and b)
 

@@ -1,7 +1,7 @@
 """torch's segmented GEMM backward (packed self-attention, one GEMM per row block across documents) on the
 CPU: its launcher calls (torch views and the uploaded tables through TVM-FFI) with NumPy stand-ins of the
 seg_* launchers (tests/numpy_gemm.py, which refuse misaligned or strided operands as TMA does), vs fp64;
-and the choice of it on the GEMM route (:func:`xattn.core.gemm_bwd_plan.packed_layout`)."""
+and the choice of it on the GEMM route (:func:`xattn.core.routes.backward_route`)."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch
 from tests import numpy_gemm
 from tests.reference import varlen_attention
 from xattn.core import gemm_bwd_plan as plan_mod
+from xattn.core import routes
 from xattn.torch import gemm_bwd as gb
 from xattn.torch import gemm_bwd_segments as seg
 
@@ -95,27 +96,37 @@ def test_refuses_documents_past_the_rows(lens):
         seg.gemm_backward_segments(dout, q, k, v, q, torch.zeros(2, 10), lens, softmax_scale=0.2, causal=True)
 
 
-def test_a_mix_with_more_key_rows_than_query_rows_is_grouped(monkeypatch):
-    """cu_seqlens shared by q and k but k with rows after the last document that q lacks: the segments
-    (one row count for both sides) leave it to the length groups, which give fp64's gradients."""
+@pytest.mark.parametrize("extra_q, extra_k", [(0, 5), (7, 0)])
+def test_a_mix_with_unequal_row_counts_runs_on_the_segments(monkeypatch, extra_q, extra_k):
+    """cu_seqlens shared by q and k but one side with rows after the last document that the other lacks
+    (Tq != Tk, issue #42): the route is still the segments, whose key side takes the query side's row count,
+    and the gradients are fp64's (0 on the rows past the documents)."""
     import xattn.torch.ops as ops
 
     lens = [300, 40, 20, 260]
+    used = sum(lens)
     q, k, v, dout, cu = _case(lens, 8, 1, 0, d=512, seed=4)
-    k, v = (torch.cat([x, torch.randn(5, *x.shape[1:]).half()]) for x in (k, v))
+    more = lambda x, n: torch.cat([x, torch.randn(n, *x.shape[1:]).half()])  # noqa: E731
+    q, dout = more(q, extra_q), more(dout, extra_q)
+    k, v = more(k, extra_k), more(v, extra_k)
     scale = 512 ** -0.5
-    out, lse, want = _want(q, k[:sum(lens)], v[:sum(lens)], dout, cu, scale, True)
-    real = gb.gemm_backward_varlen
-    monkeypatch.setattr(gb, "gemm_backward_varlen", lambda *a, **kw: real(
+    out, lse, want = _want(q[:used], k[:used], v[:used], dout[:used], cu, scale, True)
+    out = torch.cat([out, out.new_zeros(extra_q, *out.shape[1:])])
+    lse = torch.cat([lse, lse.new_full((lse.shape[0], extra_q), float("-inf"))], dim=1)
+    calls, real = [], seg.gemm_backward_segments
+    monkeypatch.setattr(seg, "gemm_backward_segments", lambda *a, **kw: calls.append(1) or real(
         *a, **{**kw, "gemms": gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)}))
-    monkeypatch.setattr(seg, "gemm_backward_segments", lambda *a, **kw: pytest.fail("took the segments"))
     monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
-    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, (lens, lens), (cu, cu, 300, 300))
-    for name, x, r in zip(("dq", "dk", "dv"), got, want):
-        assert (x[:sum(lens)].double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
-        assert not x[sum(lens):].any(), name
+    route, lengths = ops._bwd_route(plan[0], q, k, cu, cu)
+    assert route.name == "gemm-segments"
+    got = ops._gemm_bwd(plan, route.name, dout, q, k, v, out.half(), lse.float(), scale, lengths, (cu, cu, 300, 300))
+    assert calls  # the outer call (Tq != Tk) and the one it makes on equal row counts
+    for name, x, r, like in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        assert x.shape == like.shape, name
+        assert (x[:used].double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
+        assert not x[used:].any(), name
 
 
 def test_gemm_route_dispatches_a_mix_to_the_segments(monkeypatch):
@@ -137,8 +148,11 @@ def test_gemm_route_dispatches_a_mix_to_the_segments(monkeypatch):
     monkeypatch.setattr(gb, "gemm_backward_varlen", lambda *a, **kw: pytest.fail("took the grouped route"))
     monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 0),))  # the GEMM routes at these sizes
     plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
-    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, (lens, lens), (cu, cu, 300, 300))
+    route, lengths = ops._bwd_route(plan[0], q, k, cu, cu)
+    assert route.name == "gemm-segments"
+    got = ops._gemm_bwd(plan, route.name, dout, q, k, v, out.half(), lse.float(), scale, lengths, (cu, cu, 300, 300))
     assert calls == [lens]
     for name, x, r in zip(("dq", "dk", "dv"), got, want):
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
@@ -167,10 +181,12 @@ def test_equal_documents_run_as_one_dense_batch(monkeypatch, lens, hq, hkv, caus
     monkeypatch.setattr(seg, "gemm_backward_segments", lambda *a, **kw: pytest.fail("took the segments"))
     monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
+    monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 0),))  # the GEMM routes at these sizes
     n = max(lens)
     plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu, cu, n, n)
-    got = ops._gemm_bwd(plan, dout, q, k, v, out.half(), lse.float(), scale, (list(lens), list(lens)),
-                        (cu, cu, n, n))
+    route, lengths = ops._bwd_route(plan[0], q, k, cu, cu)
+    assert route.name == "gemm-dense"
+    got = ops._gemm_bwd(plan, route.name, dout, q, k, v, out.half(), lse.float(), scale, lengths, (cu, cu, n, n))
     docs = sum(1 for x in lens if x)
     assert seen == [(docs, n, hq, 512)]
     for name, x, r, ref in zip(("dq", "dk", "dv"), got, want, (q, k, v)):

@@ -10,11 +10,12 @@ import torch
 import xattn.torch as xt
 import xattn.torch.ops as ops
 from tests.reference import attention_bwd
-from xattn.core import gemm_bwd_plan
+from xattn.core import routes
 from xattn.torch import gemm_bwd, gemm_bwd_segments
 
 DRIVERS = {"groups": (gemm_bwd, "gemm_backward_varlen"), "segments": (gemm_bwd_segments, "gemm_backward_segments"),
            "dense": (gemm_bwd, "gemm_backward_equal_documents")}
+ROUTE = {"groups": "gemm-groups", "segments": "gemm-segments", "dense": "gemm-dense"}  # every document on the GEMMs
 
 pytestmark = pytest.mark.gpu
 
@@ -47,9 +48,9 @@ def _want(dout, q, k, v, out, lse, lens_q, lens_k, causal):
 
 
 def _count_driver_calls(monkeypatch, layout):
-    """Pin the GEMM route's packed layout to ``layout`` and count its driver's calls."""
+    """Force the GEMM route of packed ``layout`` (XATTN_BWD_ROUTE) and count its driver's calls."""
     module, name = DRIVERS[layout]
-    monkeypatch.setattr(gemm_bwd_plan, "packed_layout", lambda *a, **kw: layout)
+    monkeypatch.setenv("XATTN_BWD_ROUTE", ROUTE[layout])
     calls, real = [], getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
@@ -64,7 +65,6 @@ def _check(monkeypatch, lens_q, lens_k, hq, hkv, dtype, causal, seed, layout="gr
     args = (dout, q, k, v, out, lse, "ffpa", SCALE, causal, -1, -1, cu_q, cu_k, mq, mk)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
     ffpa = ops.bwd(*args)
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
     calls = _count_driver_calls(monkeypatch, layout)
     got = ops.bwd(*args)
     assert calls == [1]
@@ -116,7 +116,7 @@ def test_random_mixes_on_every_layout(monkeypatch, seed):
     if not any(lens):
         lens[0] = 1
     g, causal = rng.choice([1, 4, 8]), rng.random() < 0.6
-    layouts = ["groups", "segments"] + (["dense"] if gemm_bwd_plan.equal_documents(lens, lens) else [])
+    layouts = ["groups", "segments"] + (["dense"] if routes.equal_documents(lens, lens) else [])
     for layout in layouts:
         with monkeypatch.context() as m:
             _check(m, lens, lens, 2 * g, 2, torch.bfloat16, causal, seed=seed, layout=layout)
@@ -258,11 +258,11 @@ MIX = [0, 17, 1000, 3000, 1500, 90]
 
 @pytest.mark.parametrize("layout, lens", [("groups", MIX), ("segments", MIX), ("dense", [0, 1500, 1500, 1500])])
 def test_varlen_memory_within_the_documented_bound(monkeypatch, layout, lens):
-    from xattn.core.gemm_bwd_plan import varlen_workspace_bytes
+    from xattn.core.routes import varlen_workspace_bytes
 
-    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
+    monkeypatch.setenv("XATTN_BWD_ROUTE", ROUTE[layout])
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "64")
-    monkeypatch.setattr(gemm_bwd_plan, "packed_layout", lambda *a, **kw: layout)
+    monkeypatch.setattr(routes, "packed_layout", lambda *a, **kw: layout)  # the bound of that layout
     q, k, v, dout = _packed(lens, lens, 8, 2, torch.bfloat16, seed=4)
     cu = _cu(lens)
     out, lse = ops.fwd(q, k, v, "ffpa", SCALE, True, -1, -1, cu, cu, max(lens), max(lens))
@@ -282,8 +282,7 @@ def test_auto_route_splits_short_documents_onto_ffpa(monkeypatch):
     """The default route on a mix: documents of >= 2048 keys (GQA 8) on the GEMMs, the short ones in one
     gathered call of FFPA's varlen backward; gradients vs fp64 within 1.5x FFPA's whole-batch error; the
     memory within the documented bound."""
-    monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
-    monkeypatch.setattr(gemm_bwd_plan, "packed_layout", lambda *a, **kw: "groups")  # the grouped route's split
+    monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm-groups+fused")  # the grouped route's split, as auto takes it
     lens = [4000, 300, 17, 2100, 1000, 1]
     q, k, v, dout = _packed(lens, lens, 8, 1, torch.bfloat16, seed=11)
     cu, m = _cu(lens), max(lens)
@@ -300,8 +299,9 @@ def test_auto_route_splits_short_documents_onto_ffpa(monkeypatch):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before - sum(x.untyped_storage().nbytes() for x in got)
     assert fused == [300 + 17 + 1000 + 1] * 2
-    from xattn.core.gemm_bwd_plan import varlen_workspace_bytes
+    from xattn.core.routes import varlen_workspace_bytes
 
+    monkeypatch.setattr(routes, "packed_layout", lambda *a, **kw: "groups")  # the bound of the grouped layout
     assert 0 < extra <= varlen_workspace_bytes(lens, lens, 8, 1, 512, True), extra
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")
     ffpa = ops.bwd(*args)

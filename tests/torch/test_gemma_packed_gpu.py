@@ -53,10 +53,10 @@ def test_packed_gemma4_equals_documents_alone(route, dtype, families, caplog):
 def test_packed_gemma4_on_the_gemm_backward(route, families, monkeypatch, caplog):
     """The same packed batch with the full layer's backward on the chunked-GEMM route (its table
     lowered so these short documents take it): per-document blocks, same accuracy as sdpa."""
-    from xattn.core import gemm_bwd_plan as route_table
+    from xattn.core import routes
     from xattn.torch import gemm_bwd
 
-    monkeypatch.setattr(route_table, "MIN_KEYS_BY_GROUP", ((1, 0),))
+    monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 0),))
     calls = []
     real = gemm_bwd.gemm_backward_varlen
     monkeypatch.setattr(gemm_bwd, "gemm_backward_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -31,35 +31,30 @@ that, and the P and dS GEMMs, whose epilogues move ~as many bytes as their mainl
 write and read 2 bytes per score instead of 4. P <= 1 with the forward's lse (fp16 holds up to 65504:
 an lse more than ~11 below the true one would overflow, where it already gave wrong gradients).
 
-This module is the framework-neutral planner: which backward a problem gets (:func:`choose`),
-the blocks (:func:`plan`), the memory they take (:func:`workspace_bytes`) and, for packed
-(varlen) problems, the document groups (:func:`varlen_groups`): documents of similar length are
-padded to one length and run as one dense batch, so many short documents share each GEMM launch
-and no block ever straddles two documents (per-row positions mask the padding). The GEMMs are
-quack's sm90 CuTeDSL GEMMs (:mod:`xattn.core.gemm_sm90`) with the epilogues of
+This module is the framework-neutral planner: the blocks (:func:`plan`), the memory they take
+(:func:`workspace_bytes`) and, for packed (varlen) problems, the document groups (:func:`varlen_groups`):
+documents of similar length are padded to one length and run as one dense batch, so many short
+documents share each GEMM launch and no block ever straddles two documents (per-row positions mask
+the padding). The GEMMs are quack's sm90 CuTeDSL GEMMs (:mod:`xattn.core.gemm_sm90`) with the epilogues of
 :mod:`xattn.core.gemm_bwd_epilogues`; the front ends' drivers run them (:mod:`xattn.torch.gemm_bwd`,
 :mod:`xattn.jax.gemm_bwd`).
 
-Environment: ``XATTN_BWD_ROUTE`` = ``auto`` (default: the measured table below) / ``ffpa`` /
-``gemm`` (refuses a problem the route does not cover, never falls back silently);
-``XATTN_GEMM_BWD_BUDGET_MIB`` (default 2048) caps the per-block P/dS buffers.
+Which backward a problem gets (and ``XATTN_BWD_ROUTE``) is :mod:`xattn.core.routes`' decision; this module
+holds only the pure plans. Environment: ``XATTN_GEMM_BWD_BUDGET_MIB`` (default 2048) caps the per-block
+P/dS buffers.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["ROUTES", "RouteChoice", "GemmBwdPlan", "DocGroup", "covers", "choose", "plan", "workspace_bytes",
-           "route_table", "min_keys_for",
-           "env_route", "budget_bytes", "varlen_groups", "keys_per_row",
-           "varlen_workspace_bytes", "split_short_groups", "SegmentPlan", "segment_plan", "segment_offsets",
-           "segment_block_tables", "segment_launches",
-           "segment_workspace_bytes", "packed_layout",
-           "PACKED_LAYOUTS", "equal_documents"]
+from .workspace import round_up
 
-ROUTES = ("auto", "ffpa", "gemm")
+__all__ = ["GemmBwdPlan", "DocGroup", "plan", "workspace_bytes", "budget_bytes", "budget_setting", "varlen_groups",
+           "keys_per_row", "SegmentPlan", "segment_plan", "segment_offsets", "segment_block_tables", "segment_launches",
+           "segment_workspace_bytes"]
+
 DEFAULT_BUDGET_MIB = 2048
 BYTES_PER_SCORE = 6  # P (q's dtype) + P (fp16) + dS (16-bit) per query-row x key element of a block
 MIN_BLOCK_ROWS = 64
@@ -78,34 +73,16 @@ DIAGONAL_PIECES = 1
 ROW_ALIGN = 8  # P / dS / colpos row strides are padded to 8 elements (16-byte TMA strides)
 DELTA_SLICE_BYTES = 64 << 20  # the torch driver computes δ = rowsum(dO ⊙ O) in slices of this much scratch
 
-# Measured on the H200 (benchmarks/results/gemm_bwd_proto_h200.json: the prototype of this route,
-# benchmarks/tools/gemm_bwd_proto.py, last in commit b27f391; bf16, d512, fwd from FFPA):
-# backward TFLOP/s, FFPA vs this route. The route wins from these key counts on.
-#   Hq32/Hkv4 causal: N 1k 85 vs 73, 2k 140 vs 161, 4k 188 vs 251, 8k 228 vs 364
-#   Hq16/Hkv16 causal: N 2k 183 vs 147, 4k 216 vs 196, 8k 235 vs 317; non-causal 8k 248 vs 436
-MIN_KEYS_BY_GROUP = ((8, 2048), (1, 8192))  # (min GQA group g, min Nk): first row with g >= its g
+
+def budget_setting() -> str:
+    """``XATTN_GEMM_BWD_BUDGET_MIB`` as set (default 2048), not validated (a forward records it unread)."""
+    return os.environ.get("XATTN_GEMM_BWD_BUDGET_MIB", str(DEFAULT_BUDGET_MIB))
 
 
-@dataclass(frozen=True)
-class RouteChoice:
-    """``route`` ("gemm" or "ffpa") and ``reason``, one line a user can read in a debug log."""
-
-    route: str
-    reason: str
-
-
-def env_route() -> str:
-    """``XATTN_BWD_ROUTE``, validated."""
-    route = os.environ.get("XATTN_BWD_ROUTE", "auto").strip().lower() or "auto"
-    if route not in ROUTES:
-        raise ValueError(f"XATTN_BWD_ROUTE={route!r}: expected one of {ROUTES}")
-    return route
-
-
-def budget_bytes() -> int:
-    """``XATTN_GEMM_BWD_BUDGET_MIB`` in bytes (default 2048 MiB), validated: the cap on one block's
-    P (q's dtype and fp16) and dS buffers."""
-    raw = os.environ.get("XATTN_GEMM_BWD_BUDGET_MIB", str(DEFAULT_BUDGET_MIB))
+def budget_bytes(setting: str | None = None) -> int:
+    """``setting`` (default :func:`budget_setting`) in bytes, validated: the cap on one block's P (q's dtype
+    and fp16) and dS buffers."""
+    raw = budget_setting() if setting is None else setting
     try:
         mib = int(raw)
     except ValueError:
@@ -113,79 +90,6 @@ def budget_bytes() -> int:
     if mib < 1:
         raise ValueError(f"XATTN_GEMM_BWD_BUDGET_MIB={mib} must be >= 1")
     return mib << 20
-
-
-def _uncovered(family, head_dim, head_dim_v, causal, window, varlen) -> str | None:
-    if family != "ffpa":
-        return f"the GEMM backward covers FFPA head dims (320-512); {family} keeps its own backward"
-    if head_dim != head_dim_v:
-        return "the GEMM backward needs equal q/k and v head dims"
-    if window is not None and any(w is not None and w >= 0 for w in window):
-        return "sliding windows keep FFPA's backward"
-    return None
-
-
-def covers(family: str, head_dim: int, head_dim_v: int, window=(None, None), route: str | None = None) -> bool:
-    """Whether the GEMM backward may run this problem at all (before anything that costs, such as
-    reading a packed batch's document lengths to the host)."""
-    route = env_route() if route is None else route
-    return route != "ffpa" and _uncovered(family, head_dim, head_dim_v, False, window, False) is None
-
-
-def choose(family: str, head_dim: int, head_dim_v: int, qhead_per_kvhead: int, causal: bool,
-           window=(None, None), varlen: bool = False, seqlen_k: int = 0, route: str | None = None
-           ) -> RouteChoice:
-    """Pick the backward of one problem: ``"gemm"`` where the measured table says it is faster.
-
-    ``seqlen_k``: the key count (dense), or for ``varlen`` the keys an average query row's
-    document holds (:func:`keys_per_row`), so a batch of short documents routes as short ones do.
-
-    ``route`` overrides ``XATTN_BWD_ROUTE``; a forced ``"gemm"`` on a problem the route does not
-    cover raises ValueError (it never falls back silently).
-    """
-    route = env_route() if route is None else route
-    if route not in ROUTES:
-        raise ValueError(f"backward route {route!r}: expected one of {ROUTES}")
-    why_not = _uncovered(family, head_dim, head_dim_v, causal, window, varlen)
-    if route == "gemm":
-        if why_not:
-            raise ValueError(f"XATTN_BWD_ROUTE=gemm: {why_not}")
-        return RouteChoice("gemm", "forced by XATTN_BWD_ROUTE=gemm")
-    if route == "ffpa" or family != "ffpa":
-        return RouteChoice(family, "forced by XATTN_BWD_ROUTE=ffpa" if route == "ffpa" else why_not)
-    if why_not:
-        return RouteChoice("ffpa", why_not)
-    min_keys = min_keys_for(qhead_per_kvhead)
-    what = "keys per row's document" if varlen else "Nk"
-    if seqlen_k < min_keys:
-        return RouteChoice("ffpa", f"{what} {seqlen_k} < {min_keys}: FFPA's fused backward is faster there "
-                                   f"(GQA group {qhead_per_kvhead}, measured on the H200)")
-    return RouteChoice("gemm", f"{what} {seqlen_k} >= {min_keys} at GQA group {qhead_per_kvhead}: "
-                               "chunked-GEMM backward (measured faster on the H200)")
-
-
-def min_keys_for(qhead_per_kvhead: int) -> int:
-    """The key count from which the measured table picks the GEMM backward at this GQA group."""
-    return next(n for g, n in MIN_KEYS_BY_GROUP if qhead_per_kvhead >= g)
-
-
-def route_table() -> list[str]:
-    """Human-readable lines of the route table, for ``python -m xattn info``."""
-    lines = [f"GQA group >= {g}: GEMM backward from Nk {n}" for g, n in MIN_KEYS_BY_GROUP]
-    lines.append("packed (varlen, host lengths): the same table on the keys an average row's document holds; "
-                 f"self-attention documents of mixed lengths: one GEMM per {SEGMENT_ROWS}-row block across every "
-                 f"document; else documents grouped within {GROUP_FILL:g} of a group's first length, padded to "
-                 f"{GROUP_ALIGN}, groups under the table's key count in one call of FFPA's varlen backward")
-    lines.append(f"packed under jax.jit (traced lengths): documents about max_seqlen long padded into one "
-                 f"dense batch; else, one cu_seqlens for q and k, one GEMM per {SEGMENT_ROWS}-row block over "
-                 "every document where the table picks the GEMMs at the keys an average row's document holds "
-                 "(decided on the device)")
-    lines.append(f"XATTN_BWD_ROUTE={env_route()}, block budget {budget_bytes() >> 20} MiB")
-    return lines
-
-
-def _align(x: int, a: int) -> int:
-    return -(-x // a) * a
 
 
 @dataclass(frozen=True)
@@ -214,14 +118,14 @@ def plan(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, causal: bool,
     Causal blocks are cut into ``pieces`` (default :data:`DIAGONAL_PIECES`) of whole 64-row multiples
     along the diagonal."""
     budget = budget_bytes() if budget is None else budget
-    keys_stride = _align(max(seqlen_k, 1), ROW_ALIGN)
+    keys_stride = round_up(max(seqlen_k, 1), ROW_ALIGN)
     if rows is None:
         rows = budget // (BYTES_PER_SCORE * batch * heads_q * keys_stride)
         if causal:
             rows = min(rows, CAUSAL_MAX_ROWS)
         rows = max(MIN_BLOCK_ROWS, rows // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS)
         # the fewest blocks that fit, evened out (no short tail block)
-        rows = _align(-(-max(seqlen_q, 1) // -(-max(seqlen_q, 1) // rows)), MIN_BLOCK_ROWS)
+        rows = round_up(-(-max(seqlen_q, 1) // -(-max(seqlen_q, 1) // rows)), MIN_BLOCK_ROWS)
     num_blocks = -(-seqlen_q // rows)
     shift = seqlen_k - seqlen_q if shift is None else shift
     pieces = DIAGONAL_PIECES if pieces is None else pieces
@@ -239,11 +143,11 @@ def _pieces(start: int, rows: int, kend: int, seqlen_k: int, shift: int, pieces:
     """``(lo, hi, keys)`` of a block's ``rows`` real rows (see :class:`GemmBwdPlan`: the last piece
     ends at the last real row, padded rows are not computed); pieces without keys are dropped (their
     rows see no key: the drivers zero their dq)."""
-    step = max(MIN_BLOCK_ROWS, _align(-(-rows // pieces), MIN_BLOCK_ROWS))
+    step = max(MIN_BLOCK_ROWS, round_up(-(-rows // pieces), MIN_BLOCK_ROWS))
     out = []
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        keys = kend if hi == rows else min(kend, _align(max(min(seqlen_k, start + hi + shift), 0), ROW_ALIGN))
+        keys = kend if hi == rows else min(kend, round_up(max(min(seqlen_k, start + hi + shift), 0), ROW_ALIGN))
         if keys > 0:
             out.append((lo, hi, keys))
     return tuple(out)
@@ -315,7 +219,7 @@ def varlen_groups(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None)
 
     def close():
         first = part[0]
-        pq, pk = _align(seqlens_q[first], GROUP_ALIGN), _align(seqlens_k[first], GROUP_ALIGN)
+        pq, pk = round_up(seqlens_q[first], GROUP_ALIGN), round_up(seqlens_k[first], GROUP_ALIGN)
         shift = max(seqlens_k[i] - seqlens_q[i] for i in part)
         masked = any(seqlens_k[i] < pk for i in part)
         groups.append(DocGroup(tuple(part), pq, pk, max(shift, pk - pq), masked))
@@ -323,9 +227,9 @@ def varlen_groups(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None)
     for i in order:
         if part:
             first = part[0]
-            fits = all(n <= top and (n >= GROUP_FILL * top or _align(n, GROUP_ALIGN) == _align(top, GROUP_ALIGN))
+            fits = all(n <= top and (n >= GROUP_FILL * top or round_up(n, GROUP_ALIGN) == round_up(top, GROUP_ALIGN))
                        for n, top in ((seqlens_q[i], seqlens_q[first]), (seqlens_k[i], seqlens_k[first])))
-            per_doc = BYTES_PER_SCORE * heads_q * MIN_BLOCK_ROWS * _align(seqlens_k[first], GROUP_ALIGN)
+            per_doc = BYTES_PER_SCORE * heads_q * MIN_BLOCK_ROWS * round_up(seqlens_k[first], GROUP_ALIGN)
             if not fits or (len(part) + 1) * per_doc > budget:
                 close()
                 part = []
@@ -333,103 +237,6 @@ def varlen_groups(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None)
     if part:
         close()
     return groups
-
-
-def split_short_groups(groups, qhead_per_kvhead: int, route: str | None = None) -> tuple[list, tuple]:
-    """``(gemm_groups, ffpa_docs)``: under ``XATTN_BWD_ROUTE=auto`` the groups whose padded key length is
-    under the measured table's (:data:`MIN_KEYS_BY_GROUP`: FFPA's fused backward is faster there) leave
-    the GEMM route, and their documents (sorted indices) run through FFPA's varlen backward as one packed
-    sub-batch. A forced ``gemm`` route keeps every group."""
-    route = env_route() if route is None else route
-    if route != "auto":
-        return list(groups), ()
-    min_keys = next(n for g, n in MIN_KEYS_BY_GROUP if qhead_per_kvhead >= g)
-    long = [grp for grp in groups if grp.pad_k >= min_keys]
-    short = tuple(sorted(i for grp in groups if grp.pad_k < min_keys for i in grp.docs))
-    return long, short
-
-
-PACKED_LAYOUTS = ("dense", "segments", "groups")
-
-
-def equal_documents(seqlens_q, seqlens_k) -> tuple[int, int, int] | None:
-    """``(documents, nq, nk)`` when every document with rows or keys has the same lengths on its side (a
-    packed batch that *is* a dense ``[documents, n, H, D]`` batch, empty documents taking no rows), else None."""
-    pairs = {(int(a), int(b)) for a, b in zip(seqlens_q, seqlens_k) if a or b}
-    if len(pairs) != 1:
-        return None
-    (nq, nk), = pairs
-    if not (nq and nk):
-        return None
-    return sum(1 for a, b in zip(seqlens_q, seqlens_k) if a or b), nq, nk
-
-
-def packed_layout(seqlens_q, seqlens_k, heads_q: int, budget: int | None = None) -> str:
-    """How a packed batch on the GEMM backward runs (host lengths: torch), one of :data:`PACKED_LAYOUTS`:
-    ``"dense"`` when its documents all have one length (:func:`equal_documents`: views of one dense batch,
-    the dense route itself); ``"segments"`` (:func:`segment_plan`: one GEMM per row block over every
-    document) for self-attention documents (the same lengths on both sides) that :func:`varlen_groups`
-    cuts into more than one group; else ``"groups"`` (:func:`varlen_groups`: documents of about one
-    length gathered into dense batches). H200, Hq32/Hkv4 d512 causal bf16, backward TFLOP/s on the same
-    out/lse, dense views / groups / segments (``benchmarks/tools/packed_layouts.py``,
-    ``results/packed_layouts_h200.json``): 8 × 2k 344.9 / 315.1 / 312.6 ... 1 × 16k 482.6 / 476.3 / 450.8;
-    mix16k groups 273.2 vs segments 313.6, mix64k 353.2 vs 362.1 (and the groups' host time per call is
-    2.3x / 1.4x the segments': 8.9 vs 3.9 ms on mix16k)."""
-    if equal_documents(seqlens_q, seqlens_k) is not None:
-        return "dense"
-    if [int(n) for n in seqlens_q] != [int(n) for n in seqlens_k]:
-        return "groups"
-    return "segments" if len(varlen_groups(seqlens_q, seqlens_k, heads_q, budget)) > 1 else "groups"
-
-
-def varlen_workspace_bytes(seqlens_q, seqlens_k, heads_q: int, heads_kv: int, head_dim: int, causal: bool,
-                           budget: int | None = None, elem_bytes: int = 2, route: str | None = None) -> int:
-    """Upper bound of the scratch one packed backward allocates beyond its dq/dk/dv outputs (which
-    carry one spare row each): ``8·Hq·Tq`` (row bias and δ of every row) ``+``
-    :data:`DELTA_SLICE_BYTES`, plus the largest GEMM group's blocks: :func:`workspace_bytes` of its
-    padded batch (gathered q/dout/dq and K/V count as that bound's row and key copies), its
-    16-bit dK/dV before they are scattered ``4·elem·G·Hkv·Nk8·D`` more than the bound's K/V copies,
-    and the gather/scatter indices ``(8·3 + 2)·G·Hq·Nq_pad + (8·2 + 1)·G·Hkv·Nk8``. A batch that
-    :func:`packed_layout` runs as segments takes :func:`segment_workspace_bytes` instead; one of equal
-    documents, :func:`workspace_bytes` of that dense batch plus a copy of its gradients.
-
-    Under ``route`` ``auto`` (default: ``XATTN_BWD_ROUTE``) the documents of
-    :func:`split_short_groups` run afterwards on FFPA's varlen backward (the GEMM part is freed by
-    then, so the larger of the two counts): their gathered dout/q/out/dq ``4·elem·Tq'·Hq·D`` and
-    k/v/dk/dv ``4·elem·Tk'·Hkv·D``, lse ``4·Hq·Tq'``, FFPA's workspace
-    (:func:`xattn.core.workspace.bwd_workspace_shapes`) and the index table ``8·(Tq' + Tk' + 2·(B' + 1))``."""
-    layout = packed_layout(seqlens_q, seqlens_k, heads_q, budget)
-    if layout == "segments":
-        return segment_workspace_bytes(sum(seqlens_q), seqlens_q, heads_q, heads_kv, head_dim, causal, budget,
-                                       elem_bytes)
-    if layout == "dense":  # the dense route on views; its outputs are copied out where rows follow the last document
-        docs, nq, nk = equal_documents(seqlens_q, seqlens_k)
-        outputs = elem_bytes * docs * (nq * heads_q + 2 * nk * heads_kv) * head_dim
-        return workspace_bytes(docs, nq, nk, heads_q, heads_kv, head_dim, causal, budget, elem_bytes) + outputs
-    groups = varlen_groups(seqlens_q, seqlens_k, heads_q, budget)
-    groups, short = split_short_groups(groups, heads_q // heads_kv, route)
-    per_row = 8 * heads_q * sum(seqlens_q) + DELTA_SLICE_BYTES
-    worst = 0
-    for grp in groups:
-        n = len(grp.docs)
-        p = plan(n, grp.pad_q, grp.pad_k, heads_q, causal, budget, shift=grp.shift)
-        blocks = workspace_bytes(n, grp.pad_q, grp.pad_k, heads_q, heads_kv, head_dim, causal, budget, elem_bytes)
-        keys = 4 * elem_bytes * n * heads_kv * p.keys_stride * head_dim
-        index = 26 * n * heads_q * p.padded_q + 17 * n * heads_kv * p.keys_stride
-        worst = max(worst, blocks - DELTA_SLICE_BYTES + keys + index)
-    if not short:
-        return per_row + worst
-    from .spec import KernelSpec
-    from .workspace import bwd_workspace_shapes
-
-    tq, tk = sum(seqlens_q[i] for i in short), sum(seqlens_k[i] for i in short)
-    spec = KernelSpec("ffpa", "bwd", "bfloat16", head_dim, head_dim, heads_q // heads_kv, causal, True)
-    shapes = bwd_workspace_shapes(spec, len(short), max(seqlens_q[i] for i in short),
-                                  max(seqlens_k[i] for i in short), tq, tk, heads_q, heads_kv)
-    fused = sum(4 * math.prod(shape) for _, shape, _, _ in shapes)
-    sub = 4 * elem_bytes * (tq * heads_q + tk * heads_kv) * head_dim + 4 * heads_q * tq
-    sub += 8 * (tq + tk + 2 * len(short) + 2)
-    return max(per_row + worst, sub + fused)
 
 
 # --- packed problems under jit: one GEMM per row block over every document (traced lengths) -------
@@ -469,7 +276,7 @@ def segment_plan(total: int, slots: int, max_seqlen: int, heads_q: int, heads_kv
     fits ``budget``) is a multiple of :data:`ROW_ALIGN`."""
     budget = budget_bytes() if budget is None else budget
     g = heads_q // heads_kv
-    longest = _align(max(min(max_seqlen, total), 1), ROW_ALIGN)
+    longest = round_up(max(min(max_seqlen, total), 1), ROW_ALIGN)
     fixed = rows is not None
     rows = SEGMENT_ROWS if rows is None else rows
     if rows < ROW_ALIGN or rows % ROW_ALIGN:
@@ -493,7 +300,7 @@ def segment_plan(total: int, slots: int, max_seqlen: int, heads_q: int, heads_kv
     while heads_kv % per_launch:
         per_launch -= 1
     groups = tuple((h, per_launch) for h in range(0, heads_kv, per_launch))
-    acc_rows = _align(total + slots * (SEGMENT_ACC_ALIGN - 1), SEGMENT_ACC_ALIGN)
+    acc_rows = round_up(total + slots * (SEGMENT_ACC_ALIGN - 1), SEGMENT_ACC_ALIGN)
     return SegmentPlan(rows, blocks, groups, max(kend for kend, _ in blocks), acc_rows)
 
 

@@ -62,10 +62,10 @@ def collect() -> dict:
 
 
 def _bwd_routes() -> list[str]:
-    from . import gemm_bwd_plan
+    from . import routes
 
     try:
-        return gemm_bwd_plan.route_table()
+        return routes.route_table()
     except ValueError as e:  # a bad XATTN_BWD_ROUTE / budget: say so instead of failing info
         return [str(e)]
 

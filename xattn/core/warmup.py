@@ -58,9 +58,9 @@ def plan(families=("ffpa", "fa4"), head_dims=(512, 128), dtypes=("bfloat16",), g
             specs.append(spec)
         elif model is not None or not reason.startswith(("FFPA supports head_dim", "FA4 on sm90 supports")):
             skipped.append((spec, reason))  # head dims outside a family are routed, not skipped
-    from . import gemm_bwd_plan
+    from . import routes
 
-    gemm_dtypes = sorted({s.dtype for s in specs if s.direction == "bwd" and gemm_bwd_plan.covers(
+    gemm_dtypes = sorted({s.dtype for s in specs if s.direction == "bwd" and routes.may_take_gemm(
         s.family, s.head_dim, s.head_dim_v, (s.window_left, s.window_right))})
     for dt in gemm_dtypes:
         specs += [g for g in gemm_backward_launchers(dt, arch) if g not in specs]

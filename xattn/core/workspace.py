@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .spec import KernelSpec
 
-__all__ = ["ffpa_bwd_tile_m", "fa4_bwd_tiles", "bwd_workspace_shapes"]
+__all__ = ["ffpa_bwd_tile_m", "fa4_bwd_tiles", "bwd_workspace_shapes", "round_up"]
 
 _FFPA_BWD_TILE_M = 64
 
@@ -33,7 +33,8 @@ def fa4_bwd_tiles(head_dim: int, causal: bool, local: bool) -> tuple[int, int, i
     return 64, 48, 64
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (the one helper: workspace tiles, GEMM blocks)."""
     return (x + m - 1) // m * m
 
 
@@ -55,11 +56,11 @@ def bwd_workspace_shapes(spec: KernelSpec, batch: int, seqlen_q: int, seqlen_k: 
         rows_q = (heads_q, (total_q + (batch + 1) * tm - 1) // tm * tm)
         rows_k = (heads_kv, (total_k + (batch + 1) * tn - 1) // tn * tn)
     else:
-        rows_q = (batch, heads_q, _round_up(seqlen_q, tm))
-        rows_k = (batch, heads_kv, _round_up(seqlen_k, tn))
+        rows_q = (batch, heads_q, round_up(seqlen_q, tm))
+        rows_k = (batch, heads_kv, round_up(seqlen_k, tn))
     if spec.family == "ffpa":
         return [("dpsum", rows_q, "float32", None), ("lse_log2", rows_q, "float32", None)]
-    d_r, dv_r = _round_up(spec.head_dim, mult), _round_up(spec.head_dim_v, mult)
+    d_r, dv_r = round_up(spec.head_dim, mult), round_up(spec.head_dim_v, mult)
 
     def times(rows, n):
         return (*rows[:-1], rows[-1] * n)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -96,21 +97,22 @@ def check_buffers(dout, q, out, lse) -> None:
 
 
 def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, rows: int | None = None,
-                  budget: int | None = None, positions=None):
+                  budget: int | None = None, positions=None, shift: int | None = None):
     """dq ``[B, Nq, Hq, D]``, dk/dv ``[B, Nk, Hkv, D]`` from the given out/lse (lse fp32
     ``[B, Hq, Nq]``); causal is bottom-right aligned. ``rows`` overrides the block rows that
     ``budget`` (bytes; default ``XATTN_GEMM_BWD_BUDGET_MIB``) gives. ``positions`` (fp32 ``[B, Nq]``)
     replaces the mask: row i of batch b sees keys ``j <= positions[b, i]`` (padded documents,
     :func:`gemm_backward_padded`); ``causal`` then only lets blocks skip the keys past the causal
-    limit, so positions must stay within it (``positions[b, i] <= i + Nk - Nq``)."""
+    limit, so positions must stay within it (``positions[b, i] <= i + shift``; ``shift`` defaults to
+    ``Nk - Nq`` and may only be larger)."""
     check_buffers(dout, q, out, lse)
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     g, L = Hq // Hkv, B * Hkv
     dt = GEMM_DTYPES[jnp.dtype(q.dtype)]
-    p = plan_mod.plan(B, Nq, Nk, Hq, causal, budget=budget, rows=rows)
+    shift = Nk - Nq if shift is None else max(shift, Nk - Nq)
+    p = plan_mod.plan(B, Nq, Nk, Hq, causal, budget=budget, rows=rows, shift=shift)
     R, C, Np, nk8 = p.rows, p.num_blocks, p.padded_q, p.keys_stride
-    shift = Nk - Nq
 
     qp = _rows_to_blocks(q, Hkv, R, Np)
     dop = _rows_to_blocks(dout, Hkv, R, Np)
@@ -125,7 +127,7 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
         rowpos = jnp.broadcast_to(pos.reshape(B, 1, C, R, 1), (B, Hkv, C, R, g)).reshape(L, C, R * g)
     else:
         if causal:
-            pos = jnp.arange(Np, dtype=jnp.float32) + shift
+            pos = jnp.arange(Np, dtype=jnp.float32) + (Nk - Nq)
         else:  # every row sees every real key; only the padded keys (>= Nk) are masked
             pos = jnp.full((Np,), Nk - 1, jnp.float32)
         rowpos = jnp.broadcast_to(jnp.repeat(pos.reshape(C, R), g, axis=1)[None], (L, C, R * g))
@@ -163,48 +165,65 @@ def gemm_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool
 
 
 def gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, *, max_seqlen_q: int, max_seqlen_k: int,
-                         softmax_scale: float, causal: bool, budget: int | None = None):
-    """The packed backward on the GEMM route with static shapes: q/dout/out ``[Tq, Hq, D]``, k/v
-    ``[Tk, Hkv, D]``, lse fp32 ``[Hq, Tq]``, cu_seqlens int32 ``[B + 1]`` (traced values). Every
-    document is padded to ``max_seqlen_q`` / ``max_seqlen_k`` and the B documents run as one dense
-    batch (per-row positions mask the padding and each document's bottom-right causal limit), so it
-    is efficient when the documents are about that long (when ``B · max_seqlen`` is the token count,
-    every document is that long and the packed tensors are used as the dense batch in place). Causal
-    blocks skip keys past
-    ``(c+1)·rows + max_seqlen_k − max_seqlen_q``: exact when every document has ``nk − nq <=
-    max_seqlen_k − max_seqlen_q`` (the caller ensures it: equal cu_seqlens). Returns dq, dk, dv in the
-    packed layouts, 0 outside every document."""
+                         softmax_scale: float, causal: bool, same_segments: bool = False, budget: int | None = None):
+    """The packed backward on the GEMM route with static shapes (route ``gemm-padded``): q/dout/out
+    ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, lse fp32 ``[Hq, Tq]``, cu_seqlens int32 ``[B + 1]`` (traced values,
+    anything the varlen contract allows: empty documents, rows after ``cu[-1]``). Every document is padded to
+    ``max_seqlen_q`` / ``max_seqlen_k`` and the B documents run as one dense batch (per-row positions mask the
+    padding and each document's bottom-right causal limit), so it is efficient when the documents are about
+    that long. Where ``B · max_seqlen`` is the token count on both sides, a batch whose documents all have
+    exactly those lengths (checked on the device: ``lax.cond``) uses the packed tensors in place.
+
+    Causal blocks skip the keys past ``(c+1)·rows + shift``, a static bound on every document's ``nk − nq``:
+    ``max(max_seqlen_k − max_seqlen_q, 0)`` when ``same_segments`` (one cu_seqlens for both sides, so
+    ``nk == nq``), else ``max_seqlen_k`` (no skipping). Returns dq, dk, dv in the packed layouts, 0 outside
+    every document."""
     B, Nq, Nk = cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-    Tq, Tk = q.shape[0], k.shape[0]
+    shift = max(Nk - Nq, 0) if same_segments else Nk
+    kw = dict(softmax_scale=softmax_scale, causal=causal, budget=budget, shift=shift)
+    gathered = _padded_gathered(dout, q, k, v, out, lse, cu_q, cu_k, Nq, Nk, **kw)
+    if not (B * Nq == q.shape[0] and B * Nk == k.shape[0]):
+        return gathered()
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    tq, tk = jnp.arange(Nq), jnp.arange(Nk)
-    if B * Nq == Tq and B * Nk == Tk:
-        # B documents of at most max_seqlen filling T tokens are all max_seqlen long: the packed
-        # tensors are the dense batch as they are (no gather, no scatter)
-        pos = tq[None] + (lk - lq)[:, None] if causal else jnp.broadcast_to((lk - 1)[:, None], (B, Nq))
+    exact = jnp.all(lq == Nq) & jnp.all(lk == Nk)  # then cu = [0, N, 2N, ...] on both sides
+
+    def in_place():  # the packed tensors are the dense batch as they are (no gather, no scatter)
+        pos = jnp.arange(Nq)[None] + (Nk - Nq) if causal else jnp.full((B, Nq), Nk - 1)
+        pos = jnp.broadcast_to(pos, (B, Nq))
         batch = lambda x, n: x.reshape(B, n, *x.shape[1:])  # noqa: E731
         lse_d = lse.reshape(lse.shape[0], B, Nq).transpose(1, 0, 2)
         dq, dk, dv = gemm_backward(batch(dout, Nq), batch(q, Nq), batch(k, Nk), batch(v, Nk), batch(out, Nq), lse_d,
-                                   softmax_scale=softmax_scale, causal=causal, budget=budget,
-                                   positions=pos.astype(jnp.float32))
+                                   positions=pos.astype(jnp.float32), **kw)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
-    tok_q = cu_q[:-1, None] + jnp.minimum(tq[None], jnp.maximum(lq - 1, 0)[:, None])  # padding repeats a real row
-    tok_k = cu_k[:-1, None] + jnp.minimum(tk[None], jnp.maximum(lk - 1, 0)[:, None])
-    valid_q, valid_k = tq[None] < lq[:, None], tk[None] < lk[:, None]
-    take = lambda x, tok: jnp.take(x, tok, axis=0, mode="clip")  # noqa: E731  ([B, N, H, D])
-    lse_d = jnp.where(valid_q[:, None], jnp.take(lse, tok_q, axis=1, mode="clip").transpose(1, 0, 2), -jnp.inf)
-    if causal:  # row t of a document sees keys j <= t + nk - nq
-        pos = tq[None] + (lk - lq)[:, None]
-    else:
-        pos = jnp.broadcast_to((lk - 1)[:, None], (B, Nq))
-    dq, dk, dv = gemm_backward(take(dout, tok_q), take(q, tok_q), take(k, tok_k), take(v, tok_k), take(out, tok_q),
-                               lse_d, softmax_scale=softmax_scale, causal=causal, budget=budget,
-                               positions=pos.astype(jnp.float32))
-    dst_q = jnp.where(valid_q, tok_q, Tq).reshape(-1)  # padding lands on a dropped row
-    dst_k = jnp.where(valid_k, tok_k, Tk).reshape(-1)
 
-    def scatter(total, dst, x):
-        rows = x.reshape(-1, *x.shape[2:])
-        return jnp.zeros((total + 1, *rows.shape[1:]), x.dtype).at[dst].set(rows)[:total]
+    return jax.lax.cond(exact, in_place, gathered)
 
-    return scatter(Tq, dst_q, dq), scatter(Tk, dst_k, dk), scatter(Tk, dst_k, dv)
+
+def _padded_gathered(dout, q, k, v, out, lse, cu_q, cu_k, Nq: int, Nk: int, **kw):
+    """:func:`gemm_backward_padded` with every document gathered into its padded slot (a thunk)."""
+    Tq, Tk = q.shape[0], k.shape[0]
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    tq, tk = jnp.arange(Nq), jnp.arange(Nk)
+
+    def run():
+        tok_q = cu_q[:-1, None] + jnp.minimum(tq[None], jnp.maximum(lq - 1, 0)[:, None])  # padding repeats a row
+        tok_k = cu_k[:-1, None] + jnp.minimum(tk[None], jnp.maximum(lk - 1, 0)[:, None])
+        valid_q, valid_k = tq[None] < lq[:, None], tk[None] < lk[:, None]
+        take = lambda x, tok: jnp.take(x, tok, axis=0, mode="clip")  # noqa: E731  ([B, N, H, D])
+        lse_d = jnp.where(valid_q[:, None], jnp.take(lse, tok_q, axis=1, mode="clip").transpose(1, 0, 2), -jnp.inf)
+        if kw["causal"]:  # row t of a document sees keys j <= t + nk - nq
+            pos = tq[None] + (lk - lq)[:, None]
+        else:
+            pos = jnp.broadcast_to((lk - 1)[:, None], (lq.shape[0], Nq))
+        dq, dk, dv = gemm_backward(take(dout, tok_q), take(q, tok_q), take(k, tok_k), take(v, tok_k),
+                                   take(out, tok_q), lse_d, positions=pos.astype(jnp.float32), **kw)
+        dst_q = jnp.where(valid_q, tok_q, Tq).reshape(-1)  # padding lands on a dropped row
+        dst_k = jnp.where(valid_k, tok_k, Tk).reshape(-1)
+
+        def scatter(total, dst, x):
+            rows = x.reshape(-1, *x.shape[2:])
+            return jnp.zeros((total + 1, *rows.shape[1:]), x.dtype).at[dst].set(rows)[:total]
+
+        return scatter(Tq, dst_q, dq), scatter(Tk, dst_k, dk), scatter(Tk, dst_k, dv)
+
+    return run

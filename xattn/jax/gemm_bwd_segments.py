@@ -38,11 +38,18 @@ def _launch(kind: str, dtype: str, inputs, results, scale=None, aliases=None):
 
 def gemm_backward_segments(dout, q, k, v, out, lse, cu, *, max_seqlen: int, softmax_scale: float, causal: bool,
                            budget: int | None = None, rows: int | None = None):
-    """dq ``[T, Hq, D]``, dk/dv ``[T, Hkv, D]`` of a packed self-attention call (``cu`` int32 ``[S + 1]``
-    for both queries and keys, traced; documents at most ``max_seqlen`` long; causal top-left per
-    document) from its out/lse (lse fp32 ``[Hq, T]``). Tokens past ``cu[-1]`` get zero gradients.
-    ``rows`` / ``budget``: :func:`xattn.core.gemm_bwd_plan.segment_plan`'s."""
+    """dq ``[Tq, Hq, D]``, dk/dv ``[Tk, Hkv, D]`` of a packed self-attention call (``cu`` int32 ``[S + 1]``
+    for both queries and keys, traced, ``cu[-1] <= min(Tq, Tk)``; documents at most ``max_seqlen`` long;
+    causal top-left per document) from its out/lse (lse fp32 ``[Hq, Tq]``). Rows past ``cu[-1]`` get zero
+    gradients. ``rows`` / ``budget``: :func:`xattn.core.gemm_bwd_plan.segment_plan`'s."""
     check_buffers(dout[None], q[None], out[None], lse[None])
+    tq, tk = q.shape[0], k.shape[0]
+    if tk != tq:  # rows past cu[-1] belong to no document: the key side takes the query side's row count
+        fit = (lambda x: x[:tq]) if tk > tq else (lambda x: jnp.pad(x, ((0, tq - tk), (0, 0), (0, 0))))
+        refit = (lambda x: jnp.pad(x, ((0, tk - tq), (0, 0), (0, 0)))) if tk > tq else (lambda x: x[:tk])
+        dq, dk, dv = gemm_backward_segments(dout, q, fit(k), fit(v), out, lse, cu, max_seqlen=max_seqlen,
+                                            softmax_scale=softmax_scale, causal=causal, budget=budget, rows=rows)
+        return dq, refit(dk), refit(dv)
     T, Hq, D = q.shape
     Hkv, S = k.shape[1], cu.shape[0] - 1
     g = Hq // Hkv

@@ -39,7 +39,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 
-from xattn.core import gemm_bwd_plan as _gemm_route
+from xattn.core import routes
 from xattn.core import varlen_check as vc
 from xattn.core.spec import canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
@@ -107,8 +107,8 @@ def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
 
 
 def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):
-    """``(dq, dk, dv)`` of one packed call from the given out/lse, on FFPA's/FA4's varlen backward or
-    (:func:`_packed_gemm_route`) a GEMM backward; no checks, as :func:`varlen_forward_call`."""
+    """``(dq, dk, dv)`` of one packed call from the given out/lse, on the route :func:`packed_route` names
+    (the family's fused varlen backward or a GEMM backward); no checks, as :func:`varlen_forward_call`."""
     c = cfg.base
     if c.backend == "reference":
         c.plan("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
@@ -119,15 +119,10 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
     spec = c.spec("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing was computed: every gradient is 0
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    gemm_route = _packed_gemm_route(cfg, spec, q, k, cu_q)
-    if gemm_route == "padded":
-        from .gemm_bwd import gemm_backward_padded
+    route = packed_route(cfg, spec, q, k, cu_q)
+    _log.debug("xattn packed backward route %s: %s", route.name, route.reason)
 
-        return gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=cfg.max_seqlen_q,
-                                    max_seqlen_k=cfg.max_seqlen_k, softmax_scale=c.scale, causal=c.causal,
-                                    budget=c.bwd_route[1])
-
-    def ffpa():
+    def fused():
         ws = bwd_workspace_shapes(spec, cu_q.shape[0] - 1, cfg.max_seqlen_q, cfg.max_seqlen_k, q.shape[0],
                                   k.shape[0], q.shape[1], k.shape[1])
         outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
@@ -135,78 +130,37 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
                                vmap_method="sequential")
         return dq, dk, dv
 
-    if gemm_route != "segments":
-        return ffpa()
-    from .gemm_bwd_segments import gemm_backward_segments
-
     def segments():
-        return gemm_backward_segments(dout, q, k, v, out, lse, cu_q, max_seqlen=cfg.max_seqlen_q,
-                                      softmax_scale=c.scale, causal=c.causal, budget=c.bwd_route[1])
+        from .gemm_bwd_segments import gemm_backward_segments
 
-    if c.bwd_route[0] == "gemm":
+        return gemm_backward_segments(dout, q, k, v, out, lse, cu_q, max_seqlen=min(cfg.max_seqlen_q, cfg.max_seqlen_k),
+                                      softmax_scale=c.scale, causal=c.causal, budget=c.budget())
+
+    if route.name == "fused":
+        return fused()
+    if route.name == "gemm-padded":
+        from .gemm_bwd import gemm_backward_padded
+
+        return gemm_backward_padded(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=cfg.max_seqlen_q,
+                                    max_seqlen_k=cfg.max_seqlen_k, softmax_scale=c.scale, causal=c.causal,
+                                    same_segments=cfg.same_segments, budget=c.budget())
+    if route.name == "gemm-segments":
         return segments()
-    # auto: the route table's rule on the keys an average query row's document holds (torch's rule for a
-    # packed batch), evaluated on the device: a batch of short documents keeps FFPA's backward
-    lens = (cu_q[1:] - cu_q[:-1]).astype(jnp.float32)
-    per_row = jnp.sum(lens * lens) / jnp.maximum(jnp.sum(lens), 1.0)
-    return jax.lax.cond(per_row >= _gemm_route.min_keys_for(spec.qhead_per_kvhead), segments, ffpa)
+    if route.name == "gemm-segments|fused":  # the table's rule, evaluated on the device
+        return jax.lax.cond(routes.segments_take_gemms(jnp, cu_q, spec.qhead_per_kvhead), segments, fused)
+    raise AssertionError(f"route {route.name!r} has no JAX driver")  # backward_route never returns one
 
 
-PADDED_GEMM_MAX_FILL = 1.125  # B * max_seqlen <= this x T: the documents are about max_seqlen long
-# "auto" takes the padded GEMM route where it applies (GPU-verified: tests/jax/test_gemm_bwd_gpu.py,
-# results/logs/gpu_tests_h200_diag_pieces.log); False would leave it to XATTN_BWD_ROUTE=gemm.
-PADDED_GEMM_BY_DEFAULT = True
-# "auto" takes the segmented GEMM route (documents of any lengths, cu_seqlens_q is cu_seqlens_k) where the
-# measured table picks the GEMMs at max_seqlen and, on the device, at the keys an average row's document
-# holds (GPU-verified: tests/jax/test_gemm_bwd_segments_gpu.py); False leaves it to XATTN_BWD_ROUTE=gemm.
-SEGMENT_GEMM_BY_DEFAULT = True
-
-
-def _packed_gemm_route(cfg: VarlenConfig, spec, q, k, cu_q) -> str | None:
-    """Which GEMM backward a packed call takes, decided from static shapes alone (under ``jit`` the
-    document lengths are traced values): ``"padded"`` when the documents padded to ``max_seqlen``
-    cost little more than they are (``B * max_seqlen <= 1.125 * T``, both sides); else ``"segments"``
-    (:mod:`xattn.jax.gemm_bwd_segments`) for ``cu_seqlens_q is cu_seqlens_k`` (under ``auto`` only where
-    the table picks the GEMMs at the keys an average row's document holds, a ``lax.cond`` on the device:
-    :func:`varlen_backward_call`); None: FFPA's varlen backward. Both need the measured table to pick
-    the GEMMs at ``max_seqlen_k``, and a causal call
-    needs ``cu_seqlens_q is cu_seqlens_k`` (the block plans' causal limits hold then); ``"gemm"`` forces
-    them. Logged at debug level, with the reason."""
+def packed_route(cfg: VarlenConfig, spec, q, k, cu_q) -> routes.Route:
+    """The backward route of a packed call under ``jit`` (:func:`xattn.core.routes.backward_route`, kind
+    ``traced``: decided from static shapes, as the document lengths are traced values)."""
     c = cfg.base
-    route = c.bwd_route[0]
-    b = cu_q.shape[0] - 1
-    if b == 0 or not _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v,
-                                        (spec.window_left, spec.window_right), route=route):
-        return None
-    fits = not (b * cfg.max_seqlen_q > PADDED_GEMM_MAX_FILL * q.shape[0]
-                or b * cfg.max_seqlen_k > PADDED_GEMM_MAX_FILL * k.shape[0])
-    chosen, why_not = None, None
-    if c.causal and not cfg.same_segments:
-        why_not = "a causal packed backward on the GEMM route needs cu_seqlens_q is cu_seqlens_k"
-        if route == "gemm":
-            raise ValueError(f"XATTN_BWD_ROUTE=gemm: {why_not}")
-    elif fits or (route == "gemm" and not cfg.same_segments):
-        chosen = "padded"
-        if route == "auto" and not PADDED_GEMM_BY_DEFAULT:
-            why_not = "the padded GEMM route is switched off (PADDED_GEMM_BY_DEFAULT); XATTN_BWD_ROUTE=gemm takes it"
-    elif cfg.same_segments:
-        chosen = "segments"
-        if route == "auto" and not SEGMENT_GEMM_BY_DEFAULT:
-            why_not = ("the segmented GEMM route is off by default (SEGMENT_GEMM_BY_DEFAULT); XATTN_BWD_ROUTE=gemm "
-                       "takes it")
-    else:
-        why_not = (f"{b} documents padded to max_seqlen ({cfg.max_seqlen_q}, {cfg.max_seqlen_k}) would cost more "
-                   f"than {PADDED_GEMM_MAX_FILL}x the {q.shape[0]} / {k.shape[0]} tokens (lengths are traced), and "
-                   "the segmented route needs cu_seqlens_q is cu_seqlens_k")
-    if why_not is None:
-        choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, c.causal,
-                                    (spec.window_left, spec.window_right), True, cfg.max_seqlen_k, route=route)
-        why_not = None if choice.route == "gemm" else choice.reason
-    reason = {"padded": "documents about max_seqlen long: padded dense batch on the GEMM backward",
-              "segments": "documents of any length: one GEMM per row block over every document, where the "
-                          "keys per row's document reach the table's (on the device)"}.get(chosen)
-    _log.debug("xattn packed backward route %s: %s", chosen if why_not is None else "ffpa", why_not or reason)
-    return chosen if why_not is None else None
+    problem = routes.BwdProblem(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, c.causal,
+                                (spec.window_left, spec.window_right), "traced", total_q=q.shape[0],
+                                total_k=k.shape[0], slots=cu_q.shape[0] - 1, max_seqlen_q=cfg.max_seqlen_q,
+                                max_seqlen_k=cfg.max_seqlen_k, same_segments=cfg.same_segments,
+                                heads_q=q.shape[1])
+    return routes.backward_route(problem, c.bwd_route[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

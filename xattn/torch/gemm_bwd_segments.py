@@ -67,18 +67,26 @@ def _row_vector(x: Tensor, hkv: int) -> Tensor:
 def gemm_backward_segments(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seqlens, *,
                            softmax_scale: float, causal: bool, gemms=None, rows: int | None = None,
                            budget: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """dq ``[T, Hq, D]``, dk/dv ``[T, Hkv, D]`` of a packed self-attention call from its out/lse: q/dout/out
-    ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, lse fp32 ``[Hq, T]``; document i holds rows (queries and keys)
-    ``sum(seqlens[:i]) + [0, seqlens[i])`` (host ints, causal within each document). Rows past the last
-    document get zero gradients. ``gemms``: :class:`xattn.torch.gemm_bwd.CoreGemms` (default: the core's
-    launchers on q's GPU); ``rows`` / ``budget``: :func:`xattn.core.gemm_bwd_plan.segment_plan`'s."""
+    """dq ``[T, Hq, D]``, dk/dv ``[Tk, Hkv, D]`` of a packed self-attention call from its out/lse: q/dout/out
+    ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` (the documents end within both), lse fp32 ``[Hq, T]``; document i
+    holds rows (queries and keys) ``sum(seqlens[:i]) + [0, seqlens[i])`` (host ints, causal within each
+    document). Rows past the last document get zero gradients. ``gemms``:
+    :class:`xattn.torch.gemm_bwd.CoreGemms` (default: the core's launchers on q's GPU); ``rows`` /
+    ``budget``: :func:`xattn.core.gemm_bwd_plan.segment_plan`'s."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     g, dev, dt = Hq // Hkv, q.device, q.dtype
     lens = np.asarray([int(n) for n in seqlens], np.int64)
-    if k.shape[0] != T or (lens < 0).any() or lens.sum() > T:
+    if (lens < 0).any() or lens.sum() > min(T, k.shape[0]):
         raise ValueError(f"documents {lens.tolist()} over {T} queries and {k.shape[0]} keys: the segmented "
                          f"backward takes self-attention documents within the packed rows")
+    if k.shape[0] != T:  # rows past the last document belong to none: the key side takes the query side's count
+        tk = k.shape[0]
+        fit = (lambda x: x[:T]) if tk > T else (lambda x: torch.cat([x, x.new_zeros(T - tk, *x.shape[1:])]))
+        dq, dk, dv = gemm_backward_segments(dout, q, fit(k), fit(v), out, lse, lens.tolist(), gemms=gemms, rows=rows,
+                                            softmax_scale=softmax_scale, causal=causal, budget=budget)
+        refit = (lambda x: torch.cat([x, x.new_zeros(tk - T, *x.shape[1:])])) if tk > T else (lambda x: x[:tk])
+        return dq, refit(dk), refit(dv)
     used = int(lens.sum())
     if used == 0:
         return tuple(torch.zeros(T, h, D, device=dev, dtype=dt) for h in (Hq, Hkv, Hkv))

@@ -26,7 +26,8 @@ from torch import Tensor
 import xattn.core as xc
 from xattn.core.api import launch_bwd, launch_fwd
 from xattn.core.checks import Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
-from xattn.core import gemm_bwd_plan as _gemm_route
+from xattn.core import gemm_bwd_plan as xc_plans
+from xattn.core import routes
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -171,18 +172,25 @@ def _document_lengths(cu_q: list, cu_k: list) -> tuple[list, list]:
     return [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
 
 
+def _pinned(shape, dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 class _LengthsCopy:
     """An asynchronous copy of cu_seqlens_q/k to pinned host memory, enqueued by the forward ahead of its
     kernel, so that the backward reads the document lengths (:func:`_bwd_route`) waiting at most for the
-    GPU to reach that forward, not for all the GPU work queued before the backward."""
+    GPU to reach that forward, not for all the GPU work queued before the backward. The copy and its event
+    go on the current stream of cu_seqlens' device (which need not be the current device)."""
 
     def __init__(self, cu_q: Tensor, cu_k: Tensor):
-        self._host = [torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True) for cu in (cu_q, cu_k)]
-        for host, cu in zip(self._host, (cu_q, cu_k)):
-            host.copy_(cu, non_blocking=True)
+        stream = torch.cuda.current_stream(cu_q.device)
+        self._host = [_pinned(cu.shape, cu.dtype) for cu in (cu_q, cu_k)]
+        with torch.cuda.stream(stream):
+            for host, cu in zip(self._host, (cu_q, cu_k)):
+                host.copy_(cu, non_blocking=True)
         self._versions = (cu_q._version, cu_k._version)
         self._done = torch.cuda.Event()
-        self._done.record()
+        self._done.record(stream)
 
     def lengths(self, cu_q: Tensor, cu_k: Tensor):
         """The (query, key) document lengths, or None when cu_seqlens were written since the copy."""
@@ -193,12 +201,12 @@ class _LengthsCopy:
 
 
 def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
-    """Start :class:`_LengthsCopy` where the backward may take the GEMM route (FFPA head dims, CUDA)."""
+    """Start :class:`_LengthsCopy` where the backward may take a GEMM route (FFPA head dims, CUDA)."""
     family, q, v, window = spec_args
     if not (isinstance(cu_q, Tensor) and isinstance(cu_k, Tensor) and cu_q.is_cuda and cu_k.is_cuda) \
             or family != "ffpa" or torch.cuda.is_current_stream_capturing():
         return None  # (bad cu_seqlens reach the forward's checks, which run after this)
-    if not _gemm_route.covers(family, q.shape[-1], v.shape[-1], window):
+    if not routes.may_take_gemm(family, q.shape[-1], v.shape[-1], window):
         return None
     return _LengthsCopy(cu_q, cu_k)
 
@@ -206,7 +214,7 @@ def _prefetch_lengths(spec_args, cu_q, cu_k) -> Optional[_LengthsCopy]:
 def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window_left, window_right,
                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefetched=None):
     """The body of :func:`bwd`: returns ``(dq, dk, dv)`` from the given out/lse, on the route
-    :func:`_bwd_route` picks; ``prefetched``: the forward's :class:`_LengthsCopy` of cu_seqlens."""
+    :func:`_bwd_route` names; ``prefetched``: the forward's :class:`_LengthsCopy` of cu_seqlens."""
     plan = _plan("bwd", family, q, k, v, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k)
     spec, problem = plan
@@ -217,9 +225,9 @@ def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window
     no_rows = problem.total_q == 0  # the core launches nothing: every gradient is 0 (FA4's would stay unwritten)
     no_keys = _no_keys(problem)  # no launch either: dq is 0 (dk, dv are empty)
     if not (no_rows or no_keys):
-        choice, lengths = _bwd_route(spec, k, cu_seqlens_q, cu_seqlens_k, prefetched)
-        if choice.route == "gemm":
-            return _gemm_bwd(plan, dout, q, k, v, out, lse, scale, lengths,
+        route, lengths = _bwd_route(spec, q, k, cu_seqlens_q, cu_seqlens_k, prefetched)
+        if route.name != "fused":
+            return _gemm_bwd(plan, route.name, dout, q, k, v, out, lse, scale, lengths,
                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows or no_keys else fills.get(n))
              for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
@@ -243,61 +251,59 @@ def _launch_bwd(plan, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_se
                   **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
-def _bwd_route(spec: xc.KernelSpec, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefetched=None):
-    """The backward this problem gets (:func:`xattn.core.gemm_bwd_plan.choose`), logged at debug level, and
-    for a packed batch the document lengths it was chosen on (host ints, read only where the GEMM
-    backward covers the problem: from the forward's ``prefetched`` copy, else one device-to-host copy
-    of cu_seqlens, which waits for the GPU), else None."""
+def _bwd_route(spec: xc.KernelSpec, q: Tensor, k: Tensor, cu_seqlens_q, cu_seqlens_k, prefetched=None):
+    """``(route, lengths)``: the backward route of this problem (:func:`xattn.core.routes.backward_route`),
+    logged at debug level, and for a packed batch the document lengths it was chosen on (host ints, read only
+    where a GEMM route may serve it: from the forward's ``prefetched`` copy, else one device-to-host copy of
+    cu_seqlens, which waits for the GPU), else None."""
     window = (spec.window_left, spec.window_right)
-    lengths, keys = None, k.shape[1]
-    if cu_seqlens_q is not None:
-        keys = 0
-        if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
-            # a CUDA graph cannot read cu_seqlens on the host: FFPA's varlen backward needs no lengths
-            choice = _gemm_route.RouteChoice(spec.family, "CUDA graph capture: the packed GEMM backward reads "
-                                                          "document lengths on the host")
-            _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
-            return choice, None
-        if _gemm_route.covers(spec.family, spec.head_dim, spec.head_dim_v, window):
+    base = dict(family=spec.family, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, g=spec.qhead_per_kvhead,
+                causal=spec.causal, window=window)
+    lengths = None
+    if cu_seqlens_q is None:
+        problem = routes.BwdProblem(**base, kind="dense", seqlen_k=k.shape[1])
+    else:
+        capturing = cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and routes.may_take_gemm(spec.family, spec.head_dim, spec.head_dim_v, window):
             lengths = prefetched.lengths(cu_seqlens_q, cu_seqlens_k) if prefetched is not None else None
             if lengths is None:
                 lengths = _document_lengths(cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
-            keys = _gemm_route.keys_per_row(*lengths)
-    choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
-                                window, cu_seqlens_q is not None, keys)
-    _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
-    return choice, lengths
+        problem = routes.BwdProblem(**base, kind="packed", lengths=lengths or ((), ()), total_q=q.shape[0],
+                                    total_k=k.shape[0], heads_q=q.shape[1], capturing=capturing)
+    route = routes.backward_route(problem)
+    _log.debug("xattn backward route %s: %s", route.name, route.reason)
+    return route, lengths
 
 
-def _gemm_bwd(plan, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(None,) * 4):
-    """The chunked-GEMM backward (:mod:`xattn.torch.gemm_bwd`) of a validated ``plan``, after the per-buffer
-    checks the core's launchers would make (q, k, v stand in for the dq, dk, dv it allocates itself); a
-    packed batch passes its (query, key) document ``lengths`` and ``varlen_args`` = (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+def _gemm_bwd(plan, route: str, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(None,) * 4):
+    """The GEMM backward ``route`` (a GEMM route name of :mod:`xattn.core.routes`) of a validated ``plan``,
+    after the per-buffer checks the core's launchers would make (q, k, v stand in for the dq, dk, dv it
+    allocates itself); a packed batch passes its (query, key) document ``lengths`` and ``varlen_args`` =
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     from .gemm_bwd import gemm_backward, gemm_backward_equal_documents, gemm_backward_varlen
 
     _check_buffers(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), *varlen_args[:2])
     causal = plan[0].causal
-    if lengths is None:
+    if route == "gemm":
         return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
-    layout = _gemm_route.packed_layout(*lengths, q.shape[1])
-    if layout == "segments" and q.shape[0] != k.shape[0]:  # its key side shares the query side's row count
-        layout = "groups"
-    _log.debug("xattn backward route gemm: %d documents, packed layout %s", len(lengths[0]), layout)
-    if layout == "dense":
-        return gemm_backward_equal_documents(dout, q, k, v, out, lse, *_gemm_route.equal_documents(*lengths),
+    if route == "gemm-dense":
+        return gemm_backward_equal_documents(dout, q, k, v, out, lse, *routes.equal_documents(*lengths),
                                              softmax_scale=scale, causal=causal)
-    if layout == "segments":
+    if route == "gemm-segments":
         from .gemm_bwd_segments import gemm_backward_segments
 
         return gemm_backward_segments(dout, q, k, v, out, lse, lengths[0], softmax_scale=scale, causal=causal)
-    groups = _gemm_route.varlen_groups(*lengths, q.shape[1])
-    groups, short = _gemm_route.split_short_groups(groups, q.shape[1] // k.shape[1])
+    if route not in ("gemm-groups", "gemm-groups+fused"):
+        raise AssertionError(f"route {route!r} has no torch driver")  # backward_route never returns one
+    groups = xc_plans.varlen_groups(*lengths, q.shape[1])
+    short = ()
+    if route == "gemm-groups+fused":
+        groups, short = routes.split_short_groups(groups, q.shape[1] // k.shape[1])
     grads = gemm_backward_varlen(dout, q, k, v, out, lse, *lengths, softmax_scale=scale, causal=causal,
                                  groups=groups)
     if short:
-        _log.debug("xattn backward route gemm: %d of %d documents (groups under the table's key count) on "
-                   "the fused varlen backward", len(short), len(lengths[0]))
+        _log.debug("xattn backward route %s: %d of %d documents (groups under the table's key count) on "
+                   "the fused varlen backward", route, len(short), len(lengths[0]))
         _ffpa_documents_bwd(grads, short, lengths, dout, q, k, v, out, lse, plan[0].family, scale, causal)
     return grads
 
