@@ -18,6 +18,7 @@ Positions: query ``i`` of a call sits at ``q_offset + i``, key ``j`` at ``kv_off
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -144,7 +145,8 @@ class KernelMask:
     ``cu_seqlens_q/k`` (int32 on the device, ``max_seqlen_q/k`` ints) make the call varlen over
     ``[B * Nq]`` queries and ``[B * Nk]`` keys (Nk = the kept key range): the key segments tile the keys
     (zero-query segments skip padding), so no gather is needed. ``sdpa_mask()`` is the exact 4D
-    bool mask ``[B, 1, Nq, Nk]`` that SDPA would use (for layers that fall back).
+    bool mask ``[B, 1, Nq, Nk]`` that SDPA would use (for layers that fall back); once it is written in
+    place, :meth:`edited` is True and the plan no longer describes it.
     """
 
     batch_size: int
@@ -161,6 +163,9 @@ class KernelMask:
     notes: dict = field(default_factory=dict, repr=False)
     _materialize: object = field(default=None, repr=False)
     _sdpa: torch.Tensor | None = field(default=None, repr=False)
+    _source: KernelMask | None = field(default=None, repr=False)  # the plan this one slices (its SDPA mask too)
+    _aliases: list = field(default_factory=list, repr=False)  # (tensor, _version) of what shares the SDPA mask
+    _written: bool = field(default=False, repr=False)
 
     ndim = 4  # HF's mask preprocessing reads a prepared mask's rank (generate() hands it back in)
 
@@ -189,10 +194,39 @@ class KernelMask:
                              f"passes query/key of {got}")
 
     def sdpa_mask(self) -> torch.Tensor:
-        """The exact SDPA mask ``[B, 1, Nq, Nk]`` (bool, True = attend), built on first use."""
+        """The exact SDPA mask ``[B, 1, Nq, Nk]`` (bool, True = attend), built on first use (outside inference
+        mode, so that it and its views count their in-place writes: :meth:`edited`)."""
         if self._sdpa is None:
-            self._sdpa = self._materialize()
+            with _counting_writes():
+                mask = self._materialize()
+                self._sdpa = mask.clone() if mask.is_inference() else mask
+            self.watch(self._sdpa)
         return self._sdpa
+
+    def _root(self) -> KernelMask:
+        plan = self
+        while plan._source is not None:
+            plan = plan._source
+        return plan
+
+    def watch(self, alias: torch.Tensor) -> None:
+        """Count in-place writes to ``alias`` (a tensor sharing the SDPA mask's values, and its views) as edits."""
+        if not torch.compiler.is_compiling():
+            self._root()._aliases.append((alias, alias._version))
+
+    def mark_edited(self) -> None:
+        """Record a write to the SDPA mask that no version counter saw."""
+        self._root()._written = True
+
+    def edited(self) -> bool:
+        """Whether the SDPA mask (shared with the plans this one slices or is sliced from) was written in place
+        after it was built: then its values, not this plan, are the mask. Read from torch's version counters
+        of the mask, its PlannedMasks and their views, so writes that bypass them (through the SDPA mask's
+        ``.data`` or a NumPy view of it) are not seen; neither are writes in traced code (False while compiling)."""
+        if torch.compiler.is_compiling():
+            return False
+        root = self._root()
+        return root._written or any(alias._version != version for alias, version in root._aliases)
 
     def __getitem__(self, index) -> KernelMask:
         """``mask[:, :, -n:, :]``: the plan of the last ``n`` queries, as HF slices prepared masks along the
@@ -218,7 +252,7 @@ class KernelMask:
         plan = KernelMask(self.batch_size, n, self.kv_length, self.window, self.cu_seqlens_q, self.cu_seqlens_k,
                           self.max_seqlen_q, self.max_seqlen_k, self.kv_start, self.kv_stop,
                           f"{self.description}, last {n} queries", dict(self.notes),
-                          lambda: self.sdpa_mask()[:, :, drop:, :])
+                          lambda: self.sdpa_mask()[:, :, drop:, :], _source=self)
         if self.varlen:  # segments tile [B * Nq] row by row: keep each segment's rows past the row's first `drop`
             cu = self.cu_seqlens_q.long()
             starts, ends = cu[:-1], cu[1:]
@@ -227,6 +261,41 @@ class KernelMask:
             plan.cu_seqlens_q = torch.cat([cu.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
             plan.max_seqlen_q = min(self.max_seqlen_q, n)
         return plan
+
+
+def _counting_writes():
+    """Tensors made here have version counters (not inference tensors) even under ``torch.inference_mode()``."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
+def _mark_writes(func, args, kwargs) -> None:
+    """An in-place or ``out=`` write of ``func`` to a PlannedMask marks its plan edited (it runs below autograd: no
+    version counter of the mask sees it)."""
+    from torch.utils._pytree import tree_leaves
+
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    for a in func._schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write:
+            for x in tree_leaves(named.get(a.name)):
+                if isinstance(x, PlannedMask):
+                    x.plan.mark_edited()
+
+
+def _watch_views(out, masks: list) -> None:
+    """Results of a torch op that share a PlannedMask's memory (views made below autograd) count writes on their
+    own version counter or the PlannedMask's, not the SDPA mask's: its plan watches both."""
+    from torch.utils._pytree import tree_leaves
+
+    for mask in masks:
+        values = mask.plan.sdpa_mask()
+        memory = values.untyped_storage().data_ptr()
+        views = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t is not values
+                 and t.untyped_storage().data_ptr() == memory]
+        if views and not getattr(mask, "_watched", False):
+            mask._watched = True  # the plan keeps it alive: a write through its views outlives it
+            mask.plan.watch(mask)
+        for view in views:
+            mask.plan.watch(view)
 
 
 class PlannedMask(torch.Tensor):
@@ -238,13 +307,17 @@ class PlannedMask(torch.Tensor):
     ``.to(...)``, ``~mask``, SDPA) builds the mask once and runs on it, returning plain tensors, so
     code written for NeMo's or HF's tensor masks reads it correctly. ``mask[:, :, start:, :]`` (HF's
     query slice) returns the plan of the last queries, still planned. ``.bool()`` returns the mask
-    itself. Under context parallelism the mask cannot be built (it is a shard; NotImplementedError)."""
+    itself. Writing it in place (``mask[..., j] = False``, ``masked_fill_``, ``out=mask``, through a view
+    or a query slice) edits the mask, not the plan: the attention function then runs it on SDPA as it
+    reads (:meth:`KernelMask.edited`). ``clone()`` and ``to(...)`` return plain tensors. Under context
+    parallelism the mask cannot be built (it is a shard; NotImplementedError)."""
 
     plan: KernelMask
 
     @staticmethod
     def __new__(cls, plan: KernelMask, device):
-        return torch.Tensor._make_wrapper_subclass(cls, plan.shape, dtype=torch.bool, device=torch.device(device))
+        with _counting_writes():
+            return torch.Tensor._make_wrapper_subclass(cls, plan.shape, dtype=torch.bool, device=torch.device(device))
 
     def __init__(self, plan: KernelMask, device):
         self.plan = plan
@@ -253,11 +326,19 @@ class PlannedMask(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_map
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        kwargs = kwargs or {}
+        tracking = not torch.compiler.is_compiling()
+        if tracking:
+            _mark_writes(func, args, kwargs)
 
         def dense(x):
             return x.plan.sdpa_mask() if isinstance(x, PlannedMask) else x
-        return func(*tree_map(dense, args), **tree_map(dense, kwargs or {}))
+        out = func(*tree_map(dense, args), **tree_map(dense, kwargs))
+        if tracking:
+            _watch_views(out, [x for x in tree_leaves((args, kwargs)) if isinstance(x, PlannedMask)])
+        return out
 
     def __getitem__(self, index):
         try:

@@ -5,8 +5,9 @@ onto an exact fallback.
   layer's kwargs: :mod:`xattn.torch.hf.call_plan`) runs on the kernels (FFPA for head_dim 320-512, FA4 for
   <= 256 and windows) when dtype, scaling, head dims and options allow (:mod:`xattn.torch.hf.support`).
 * Otherwise it falls back exactly (:mod:`xattn.torch.hf.fallback`): SDPA with the layer's exact mask, the
-  model's own eager function for ``softcap`` or ``s_aux`` sinks, FlexAttention for a ``BlockMask``; each
-  reason is logged once.
+  model's own eager function for ``softcap`` or ``s_aux`` sinks, FlexAttention for a ``BlockMask``, SDPA
+  with the mask as it reads when the factory's mask was edited in place (its plan no longer describes it);
+  each reason is logged once.
 * Under context parallelism the layer runs on this rank's shard (:mod:`xattn.torch.hf.context_parallel`).
 
 HF hands ``query [B, Hq, Nq, D]`` and ``key/value [B, Hkv, Nk, D/Dv]`` (SDPA layout); the kernels read
@@ -95,6 +96,11 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
     _check_inputs(query, key, value, scaling)
     if isinstance(attention_mask, PlannedMask):
         attention_mask = attention_mask.plan
+    if isinstance(attention_mask, KernelMask) and attention_mask.edited():  # its plan no longer describes it
+        attention_mask.check(query, key)
+        fallback.warn_once("edited_mask", "the ffpa factory's mask was edited in place: it runs on SDPA as it reads")
+        return fallback.run_exact_fallback(module, query, key, value, attention_mask.sdpa_mask(), dropout, scaling,
+                                           softcap, kwargs)
     group = cp_group.active_group()
     if group is not None:
         return run_sharded(group, module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs), None
