@@ -60,6 +60,8 @@ from quack import copy_utils  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 from quack.varlen_utils import VarlenArguments, VarlenManager  # noqa: E402
 
+from .gemm_sm90_common import CLUSTER_MNK, epilogue_class, scheduler_options  # noqa: E402
+
 __all__ = ["SEG_KINDS", "compile_segment_gemm"]
 
 SEG_KINDS = ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")
@@ -228,8 +230,6 @@ class _SegAcc(_SegLauncher):
 def compile_segment_gemm(spec):
     """Compile the launcher of ``spec`` (a :class:`xattn.core.gemm_sm90.GemmSpec` whose kind is in
     :data:`SEG_KINDS`); returns the compiled TVM-FFI function."""
-    from .gemm_sm90 import CLUSTER_MNK, epilogue_class, scheduler_options
-
     base_kind = {"seg_probs": "probs_causal", "seg_grad_scores": "grad_scores", "seg_mm_dq": "mm_dq",
                  "seg_acc": "acc"}[spec.kind]
     cls = epilogue_class(base_kind)

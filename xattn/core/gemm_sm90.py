@@ -55,6 +55,8 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
+from .gemm_sm90_common import CLUSTER_MNK, epilogue_class, scheduler_options  # noqa: E402
+
 __all__ = ["GemmSpec", "KINDS", "P_KINDS", "P_DTYPES", "D32_KINDS", "compile_gemm", "max_active_clusters",
            "source_digest"]
 
@@ -68,21 +70,20 @@ TILE_MN = (128, 192)
 # Hq32/Hkv4 causal 8k 379.9 -> 390.1, 16k 429.1 -> 440.9 ((64, 256) and (128, 256) were slower).
 KIND_TILES = {"acc": (128, 128), "mm_dq": (128, 128), "mm_kv": (128, 128), "seg_mm_dq": (128, 128),
               "seg_acc": (128, 128)}
-CLUSTER_MNK = (2, 1, 1)
 P_KINDS = ("probs_causal", "probs_full", "grad_scores")  # the kinds that write or read pf
 D32_KINDS = ("acc", "mm_kv")  # the kinds that may write an fp32 accumulator (d32)
 # pf's dtype: dS = (dP − δ) ⊙ pf is rounded to 16 bits anyway, so fp16's 2^-11 relative error adds
 # little to it (bf16's 2^-8 took the gradient error vs fp64 to 1.86x FFPA's); fp32 is kept for A/Bs.
 P_DTYPES = ("float16", "float32")
-MAX_SWIZZLE = 8
 
 
 @functools.cache
 def source_digest() -> str:
-    """Digest of the sources that shape these launchers (this file and the epilogues)."""
+    """Digest of the sources that shape these launchers (this file, the shared pieces, the epilogues, the
+    packed route's)."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in ("gemm_sm90.py", "gemm_bwd_epilogues.py", "gemm_segments_sm90.py"):
+    for name in ("gemm_sm90.py", "gemm_sm90_common.py", "gemm_bwd_epilogues.py", "gemm_segments_sm90.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -127,13 +128,6 @@ class GemmSpec:
 def max_active_clusters(num_sms: int) -> int:
     """The ``max_active_clusters`` argument for a GPU with ``num_sms`` SMs (one CTA per SM)."""
     return max(1, num_sms // (CLUSTER_MNK[0] * CLUSTER_MNK[1]))
-
-
-def scheduler_options(max_clusters):
-    from quack.tile_scheduler import TileSchedulerOptions
-
-    return TileSchedulerOptions(max_active_clusters=max_clusters, max_swizzle_size=Int32(MAX_SWIZZLE),
-                                tile_count_semaphore=None, ag=None, batch_idx_permute=None)
 
 
 def _prefix(t: cute.Tensor, dim: int, extent):
@@ -210,21 +204,6 @@ class _MmDq(_Mm):
         # Y holds every key; X (L, M, K) says how many this block uses
         self.gemm(mX, _prefix(mY, 1, mX.shape[2]), mD, None, self.args_cls(), scheduler_options(max_clusters), None,
                   stream, None, None)
-
-
-def epilogue_class(kind: str):
-    """The quack GEMM class (epilogue mixin + GemmSm90) of ``kind``."""
-    if kind in ("acc", "mm_dq", "mm_kv"):
-        from quack.gemm_default_epi import GemmDefaultSm90
-
-        return GemmDefaultSm90
-    from quack.rounding import RoundingMode
-
-    from . import gemm_bwd_epilogues as epi
-
-    mod = {"probs_causal": epi.probs_causal, "probs_full": epi.probs_full, "grad_scores": epi.grad_scores}[kind]
-    visit_sig = tuple((name, mod.ops[name].fn_port) for name in mod.operand_names)
-    return mod._mint(visit_sig, 9, False, False, (), RoundingMode.RN, (), False)
 
 
 def compile_gemm(spec: GemmSpec):
