@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from numpy import bool_ as np_bool
 
-from xattn.core.checks import check_scale
+from xattn.core.checks import check_scale, check_window
 from xattn.core.spec import canonical_mask, family_for
 
 from .ops import attention_op
@@ -55,9 +55,7 @@ def _scale(softmax_scale, head_dim: int) -> float:
 def _mask_args(causal, window_size):
     if not isinstance(causal, (int, np_bool)):  # bool, or 0/1 as FlashAttention takes it; never a string
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size: expected a (left, right) pair (None = unbounded), got {window_size!r}")
-    return canonical_mask(bool(causal), *window_size)
+    return canonical_mask(bool(causal), *check_window(window_size))
 
 
 def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
