@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
-from xattn.core import gemm_bwd_plan as _gemm_route
+from xattn.core import gemm_bwd_plan, routes
 from xattn.core.checks import Meta, Problem, check_layout_sizes, check_scale, validate
 from xattn.core.spec import KernelSpec, canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
@@ -65,9 +65,10 @@ class Config:
     # XATTN_DETERMINISTIC / XLA_FLAGS as read when the call was made; part of the key of every trace
     # cache, so changing the mode retraces instead of reusing a backward traced under the old one
     deterministic: str = field(default_factory=deterministic_mode)
-    # XATTN_BWD_ROUTE and the block budget (xattn.core.gemm_bwd_plan), read when the call was made: a change
-    # retraces instead of reusing a backward traced with the old route
-    bwd_route: tuple = field(default_factory=lambda: (_gemm_route.env_route(), _gemm_route.budget_bytes()))
+    # XATTN_BWD_ROUTE (or routes.forced) and the block budget as set when the call was made, unread until a
+    # backward is traced (a bad value never breaks a forward): a change retraces instead of reusing a backward
+    # traced with the old route
+    bwd_route: tuple = field(default_factory=lambda: (routes.requested(), gemm_bwd_plan.budget_setting()))
     # the kernels' rules (dtype, head dims, sizes) apply whatever the backend; False only for
     # backend="reference" asked for by name (the pure-jnp yardstick: any head dim, float32 too)
     kernel_rules: bool = True
@@ -92,6 +93,10 @@ class Config:
     def spec(self, direction: str, q, k, v, *varlen_args) -> KernelSpec:
         """The launcher spec of :meth:`plan`."""
         return self.plan(direction, q, k, v, *varlen_args)[0]
+
+    def budget(self) -> int:
+        """The GEMM backward's block budget in bytes (validated here, when a backward is traced)."""
+        return gemm_bwd_plan.budget_bytes(self.bwd_route[1])
 
 
 def _meta(x) -> Meta:
@@ -143,29 +148,31 @@ def _fwd_call(cfg: Config, q, k, v):
 
 
 def _bwd_plan(cfg: Config, q, k, v):
-    """``(spec, route choice, workspace)`` of a dense backward, or the kernels' named error (the spec's
-    rules, and a workspace past 32-bit indexing); the reference backend runs it too, for its errors."""
+    """``(spec, route, workspace)`` of a dense backward (:func:`xattn.core.routes.backward_route`), or the
+    kernels' named error (the spec's rules, and a workspace past 32-bit indexing); the reference backend runs it
+    too, for its errors."""
     spec = cfg.spec("bwd", q, k, v)
     b, nq, hq, _ = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    choice = _gemm_route.choose(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
-                                (spec.window_left, spec.window_right), False, nk, route=cfg.bwd_route[0])
-    ws = [] if choice.route == "gemm" else bwd_workspace_shapes(spec, b, nq, nk, b * nq, b * nk, hq, hkv)
+    problem = routes.BwdProblem(spec.family, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead, spec.causal,
+                                (spec.window_left, spec.window_right), "dense", seqlen_k=nk)
+    route = routes.backward_route(problem, cfg.bwd_route[0])
+    ws = [] if route.name != "fused" else bwd_workspace_shapes(spec, b, nq, nk, b * nq, b * nk, hq, hkv)
     check_layout_sizes(ws)
-    return spec, choice, ws
+    return spec, route, ws
 
 
 def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
     if _no_launch(q, k):  # no row or no key: every gradient is 0
         cfg.spec("bwd", q, k, v)
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    spec, choice, ws = _bwd_plan(cfg, q, k, v)
-    _log.debug("xattn backward route %s: %s", choice.route, choice.reason)
-    if choice.route == "gemm":
+    spec, route, ws = _bwd_plan(cfg, q, k, v)
+    _log.debug("xattn backward route %s: %s", route.name, route.reason)
+    if route.name == "gemm":
         from .gemm_bwd import gemm_backward
 
         return gemm_backward(dout, q, k, v, out, lse, softmax_scale=cfg.scale, causal=cfg.causal,
-                             budget=cfg.bwd_route[1])
+                             budget=cfg.budget())
     outs = [("dq", q.shape, q.dtype), ("dk", k.shape, k.dtype), ("dv", v.shape, v.dtype)]
     dq, dk, dv = _ffi.call(spec, [dout, q, k, v, out, lse], outs, ws, cfg.scale)
     return dq, dk, dv
