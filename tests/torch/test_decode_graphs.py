@@ -12,7 +12,8 @@ from transformers import masking_utils as mu  # noqa: E402
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
 from xattn.torch.hf import support  # noqa: E402
-from xattn.torch.hf.masks import Pattern, PlannedMask, plan_hf_mask  # noqa: E402
+from xattn.torch.hf.kernel_mask import PlannedMask  # noqa: E402
+from xattn.torch.hf.masks import Pattern, plan_hf_mask  # noqa: E402
 
 from . import decode, stubs  # noqa: E402
 

@@ -15,7 +15,8 @@ mu = pytest.importorskip("transformers.masking_utils")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
 from xattn.torch.hf import mask_factory, masks, support  # noqa: E402
-from xattn.torch.hf.masks import KernelMask, PlannedMask, describe, plan_without_mask  # noqa: E402
+from xattn.torch.hf.kernel_mask import KernelMask, PlannedMask, plan_without_mask  # noqa: E402
+from xattn.torch.hf.masks import describe  # noqa: E402
 
 
 def plan_of(got, args) -> KernelMask | None:

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
 from xattn.torch.hf import fallback, support  # noqa: E402
-from xattn.torch.hf.masks import window_mask  # noqa: E402
+from xattn.torch.hf.kernel_mask import window_mask  # noqa: E402
 
 from . import stubs  # noqa: E402
 

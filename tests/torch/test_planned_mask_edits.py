@@ -12,7 +12,7 @@ mu = pytest.importorskip("transformers.masking_utils")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
 from xattn.torch.hf import support  # noqa: E402
-from xattn.torch.hf.masks import PlannedMask  # noqa: E402
+from xattn.torch.hf.kernel_mask import PlannedMask  # noqa: E402
 
 from . import stubs  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The launch plan of one Hugging Face ``"ffpa"`` call, from what the layer hands over: the factory's
-:class:`~xattn.torch.hf.masks.KernelMask`, a caller's 2D padding mask, or no mask at all (causality and
+:class:`~xattn.torch.hf.kernel_mask.KernelMask`, a caller's 2D padding mask, or no mask at all (causality and
 ``sliding_window`` from the layer, FlashAttention-style ``cu_seq_lens_q/k`` or restarting ``position_ids``
 for packed rows).
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .fallback import warn_once
-from .masks import KernelMask, Pattern, hf_window, plan_hf_mask, plan_without_mask, window_mask
+from .kernel_mask import KernelMask, plan_without_mask, window_mask
+from .masks import Pattern, hf_window, plan_hf_mask
 
 __all__ = ["layer_is_causal", "layer_window", "plan_call", "padding_layout", "padding_plan", "padding_sdpa_mask"]
 

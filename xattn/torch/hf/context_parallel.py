@@ -16,7 +16,7 @@ from xattn.core.spec import family_for
 from ..ring import ring_attention
 from . import support
 from .call_plan import layer_window
-from .masks import KernelMask
+from .kernel_mask import KernelMask
 
 __all__ = ["sharded_plan", "run_sharded"]
 

@@ -1,5 +1,5 @@
 """The mask factory of ``"ffpa"`` (``ALL_MASK_ATTENTION_FUNCTIONS["ffpa"]``): HF's ``sdpa_mask`` arguments in,
-the layer's launch plan out (:class:`~xattn.torch.hf.masks.PlannedMask`), or HF's own mask where the kernels
+the layer's launch plan out (:class:`~xattn.torch.hf.kernel_mask.PlannedMask`), or HF's own mask where the kernels
 cannot reproduce it.
 
 Shapes: ``B`` batch, ``Nq`` = ``q_length`` queries, ``Nk`` = ``kv_length`` keys; masks are ``[B, 1, Nq, Nk]``
@@ -17,7 +17,8 @@ import torch
 from .. import cp_group
 from .context_parallel import sharded_plan
 from .fallback import warn_once
-from .masks import KernelMask, PlannedMask, describe, plan_hf_mask
+from .kernel_mask import KernelMask, PlannedMask
+from .masks import describe, plan_hf_mask
 
 __all__ = ["ffpa_mask", "SLIDING_BACKEND"]
 
@@ -63,7 +64,7 @@ def ffpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
 
     Returns ``torch.Tensor | BlockMask | None`` (NeMo's annotation; xattn never returns None):
 
-    * a :class:`~xattn.torch.hf.masks.PlannedMask`: HF's exact SDPA mask (bool ``[B, 1, q_length,
+    * a :class:`~xattn.torch.hf.kernel_mask.PlannedMask`: HF's exact SDPA mask (bool ``[B, 1, q_length,
       kv_length]``, True = attend, built only if read) carrying the launch plan, for every pattern the
       kernels run exactly (plain causal too, padding, sliding windows, packed documents, bidirectional,
       caches). NeMo returns None for plain causal layers without padding; that leaves the layer's

@@ -1,7 +1,7 @@
 """The ``"ffpa"`` attention function: one Hugging Face call routed onto the kernels, where they are exact, or
 onto an exact fallback.
 
-* A plan (:class:`~xattn.torch.hf.masks.KernelMask`, from the mask factory, a 2D padding mask or the
+* A plan (:class:`~xattn.torch.hf.kernel_mask.KernelMask`, from the mask factory, a 2D padding mask or the
   layer's kwargs: :mod:`xattn.torch.hf.call_plan`) runs on the kernels (FFPA for head_dim 320-512, FA4 for
   <= 256 and windows) when dtype, scaling, head dims and options allow (:mod:`xattn.torch.hf.support`).
 * Otherwise it falls back exactly (:mod:`xattn.torch.hf.fallback`): SDPA with the layer's exact mask, the
@@ -29,7 +29,7 @@ from ..attention import attention
 from . import fallback, support
 from .call_plan import layer_window, padding_layout, padding_plan, padding_sdpa_mask, plan_call
 from .context_parallel import run_sharded
-from .masks import KernelMask, PlannedMask
+from .kernel_mask import KernelMask, PlannedMask
 
 __all__ = ["ffpa_attention_forward", "is_block_mask"]
 
