@@ -20,6 +20,11 @@ dim stored with P extra elements, NaN); ``wide:E:O`` (heads O..O+H of storage wi
 around). JAX arrays are compact: for ``jax``, ``swapped`` means the function is given
 ``[B, H, N, D]`` arrays and transposes them itself.
 
+Routes: for ``torch`` and ``jax`` every backward route that can serve the configuration
+(:func:`xattn.core.routes.serving_routes` of the problem as that front end describes it: host lengths for
+torch, traced ones for JAX) runs forced, one after the other, each judged on its own (checks named
+``dq@gemm-padded``); ``core`` and ``core-jax`` call the fused kernels directly (route ``fused``).
+
 ``CORE`` holds the core entry points; the CPU tests swap in the fp64 stand-ins of
 ``tests/torch/stubs.py`` to run the whole harness without a GPU.
 """
@@ -39,7 +44,7 @@ from tests.reference import attention as ref_attention, varlen_attention as ref_
 from .space import FORM_FRONT_ENDS, Config
 from .tolerance import Check, compare, lowprec_attention, lowprec_varlen_attention
 
-__all__ = ["CORE", "RUNNERS", "Inputs", "make_inputs", "place", "evaluate", "run_one", "QUANTITIES"]
+__all__ = ["CORE", "RUNNERS", "Inputs", "make_inputs", "place", "evaluate", "run_one", "QUANTITIES", "routes_of"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -104,7 +109,10 @@ def make_inputs(cfg: Config, device) -> Inputs:
     sh = shapes(cfg)
     fresh = {n: torch.randn(sh[n], generator=gen, device=device, dtype=dt) for n in ("q", "k", "v", "dout")}
     placed = {n: place(t, cfg.layout(n)) if cfg.front_end != "jax" else t for n, t in fresh.items()}
-    cu = (_cu(cfg.lens_q, device), _cu(cfg.lens_k, device)) if cfg.varlen else (None, None)
+    cu = (None, None)
+    if cfg.varlen:
+        cu_q = _cu(cfg.lens_q, device)
+        cu = (cu_q, cu_q if cfg.opt("same_cu") else _cu(cfg.lens_k, device))  # one object, or two
     return Inputs(placed["q"], placed["k"], placed["v"], placed["dout"], *cu)
 
 
@@ -243,7 +251,8 @@ def run_jax(cfg: Config, inp: Inputs, device) -> dict:
     causal, window = _mask_args(cfg)
     kw = dict(scale=cfg.scale, causal=causal, backend=cfg.opt("backend", "kernel"))
     if cfg.varlen:
-        cu_q, cu_k = _to_jax(inp.cu_q), _to_jax(inp.cu_k)
+        cu_q = _to_jax(inp.cu_q)
+        cu_k = cu_q if inp.cu_k is inp.cu_q else _to_jax(inp.cu_k)  # one object: the self-attention routes
         vkw = dict(kw, max_seqlen_q=cfg.seqlen_q, max_seqlen_k=cfg.seqlen_k, family=e.family, window_size=window)
 
         def attn(q, k, v):
@@ -324,10 +333,35 @@ def refusal_check(cfg: Config, run) -> Check:
     return Check("refusal", 0.0, 0.0, 1.0, problems)
 
 
+def routes_of(cfg: Config) -> list[str]:
+    """The backward routes ``cfg`` runs, forced one by one: every route that can serve it as its front end
+    describes the problem (``torch``: host document lengths; ``jax``: traced ones), or the drawn option
+    ``route``; ``["fused"]`` for the core front ends (the fused kernels, called directly)."""
+    from xattn.core import routes
+
+    if cfg.opt("route"):
+        return [cfg.opt("route")]
+    if cfg.front_end not in ("torch", "jax"):
+        return ["fused"]
+    e = cfg.entry
+    base = dict(family=e.family, head_dim=e.head_dim, head_dim_v=e.head_dim_v, g=e.g, causal=e.causal,
+                window=e.window, heads_q=cfg.heads_q, total_q=cfg.total_q, total_k=cfg.total_k)
+    if not cfg.varlen:
+        problem = routes.BwdProblem(**base, kind="dense", seqlen_k=cfg.seqlen_k)
+    elif cfg.front_end == "torch":
+        problem = routes.BwdProblem(**base, kind="packed", lengths=(cfg.lens_q, cfg.lens_k))
+    else:
+        problem = routes.BwdProblem(**base, kind="traced", slots=cfg.batch, max_seqlen_q=cfg.seqlen_q,
+                                    max_seqlen_k=cfg.seqlen_k, same_segments=bool(cfg.opt("same_cu")))
+    return routes.serving_routes(problem)
+
+
 def evaluate(cfg: Config, device="cuda") -> list[Check]:
-    """Run ``cfg`` through its front end and compare every quantity with fp64 (``tolerance.py``); a drawn
-    refused form is tried first and must raise its named error (one more check, ``refusal``). The
-    drop-in front ends are judged by ``forms_harness.py``."""
+    """Run ``cfg`` through its front end on every route of :func:`routes_of` (each forced) and compare every
+    quantity with fp64 (``tolerance.py``); a drawn refused form is tried first and must raise its named error
+    (one more check, ``refusal``). The drop-in front ends are judged by ``forms_harness.py``."""
+    from xattn.core import routes
+
     if cfg.front_end in FORM_FRONT_ENDS:
         from .forms_harness import evaluate_form
 
@@ -337,11 +371,21 @@ def evaluate(cfg: Config, device="cuda") -> list[Check]:
     if cfg.opt("refuse"):
         checks.append(refusal_check(cfg, lambda c: RUNNERS[c.front_end](c, inp, device)))
         cfg = dataclasses.replace(cfg, options=tuple((n, v) for n, v in cfg.options if n != "refuse"))
-    got = RUNNERS[cfg.front_end](cfg, inp, device)
-    _sync(device)
-    ref64, ref_lp = references(cfg, inp)
+    ref64, ref_lp = None, None
     dt = DTYPES[cfg.entry.dtype]
-    return checks + [compare(n, got[n], ref64[n], ref_lp[n], dt) for n in QUANTITIES]
+    names = routes_of(cfg)
+    for route in names:
+        with routes.forced(route):
+            got = RUNNERS[cfg.front_end](cfg, inp, device)
+        _sync(device)
+        if ref64 is None:
+            ref64, ref_lp = references(cfg, inp)
+        for n in QUANTITIES:
+            check = compare(n, got[n], ref64[n], ref_lp[n], dt)
+            if len(names) > 1:
+                check.name = f"{n}@{route}"
+            checks.append(check)
+    return checks
 
 
 def rerun_hint(cfg: Config) -> str:
@@ -355,9 +399,10 @@ def run_one(cfg: Config, collector, device="cuda") -> list[Check]:
     try:
         checks = evaluate(cfg, device)
     except Exception as exc:
-        collector.record(cfg, [], error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0)
+        collector.record(cfg, [], error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0,
+                         routes=routes_of(cfg))
         raise AssertionError(f"{cfg.describe()}\n{type(exc).__name__}: {exc}\n{rerun_hint(cfg)}") from exc
-    collector.record(cfg, checks, seconds=time.perf_counter() - t0)
+    collector.record(cfg, checks, seconds=time.perf_counter() - t0, routes=routes_of(cfg))
     if not all(c.ok for c in checks):
         raise AssertionError("\n".join([cfg.describe(), *map(repr, checks), rerun_hint(cfg)]))
     return checks

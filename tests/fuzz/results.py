@@ -1,4 +1,6 @@
-"""The fuzz results: one row per front end, written at the end of the session.
+"""The fuzz results: one row per front end, written at the end of the session; each row counts the backward
+routes its configurations ran (``routes``: runs and failures per route name) and lists, for every packed
+configuration or one with a choice of routes, ``[seed, pool entry, routes run, passed]`` (``route_runs``).
 
 ``benchmarks/results/fuzz_h200.json`` (or ``XATTN_FUZZ_OUT``)::
 
@@ -71,10 +73,21 @@ class Collector:
         self.autosave = autosave  # (path, device) to rewrite after every record, or None
         self.rows: dict[str, dict] = {}
 
-    def record(self, cfg: Config, checks, error: str | None = None, seconds: float = 0.0) -> None:
+    def record(self, cfg: Config, checks, error: str | None = None, seconds: float = 0.0, routes=("fused",)) -> None:
+        """One configuration's verdict; ``routes``: the backward routes it ran (forced, each judged)."""
         row = self.rows.setdefault(cfg.front_end, dict(configs=0, passed=0, failed=0, worst_err_over_tol=0.0,
-                                                        worst="", failing_seeds=[], errors={}, seconds=0.0))
+                                                        worst="", failing_seeds=[], errors={}, seconds=0.0,
+                                                        routes={}, route_runs=[]))
         row["configs"] += 1
+        for name in routes:  # how often each route ran, and where it failed (a check named "<q>@<route>")
+            count = row["routes"].setdefault(name, {"runs": 0, "failed": 0})
+            count["runs"] += 1
+            bad = error is not None or any(not c.ok and (c.name.endswith("@" + name) or "@" not in c.name)
+                                           for c in checks)
+            count["failed"] += bad
+        if len(routes) > 1 or getattr(cfg, "varlen", False):  # each row with a choice: [seed, entry, routes, ok]
+            row["route_runs"].append([cfg.seed, cfg.id, list(routes),
+                                      error is None and all(c.ok for c in checks)])
         row["seconds"] += seconds
         ok = error is None and all(c.ok for c in checks)
         row["passed" if ok else "failed"] += 1
@@ -101,7 +114,8 @@ class Collector:
                         "worst": row["worst"], "failing_seeds": sorted(row["failing_seeds"]),
                         "errors": row["errors"], "seed": self.base_seed, "n_requested": self.n,
                         "only": self.only, "device": device, "date": date, "seconds": round(row["seconds"], 1),
-                        "kernels": self.kernels, "what": DESCRIPTIONS.get(front_end, "")})
+                        "kernels": self.kernels, "what": DESCRIPTIONS.get(front_end, ""),
+                        "routes": row.get("routes", {}), "route_runs": row.get("route_runs", [])})
         return out
 
     def write(self, path, device: str, date: str | None = None) -> dict:

@@ -5,7 +5,9 @@ FA4 ~5-10 s on a CPU), while batch, sequence lengths and head counts are dynamic
 picks its kernel from :data:`POOL` (30 forward/backward pairs, 60 launchers: :func:`launcher_pool`,
 which ``scripts/prefill_gpu_cache.py --fuzz`` compiles ahead of the GPU run) and draws the rest:
 batch, Nq != Nk (1, small, not a multiple of any tile, sometimes one), heads at the pool entry's
-GQA ratio, document lengths (empty and length-1 documents included), memory layouts (permuted
+GQA ratio, packed batches over the whole documented varlen contract (empty and length-1 documents,
+self-attention documents, rows after ``cu[-1]`` on either side so ``Tq != Tk``, ``max_seqlen_q/k``
+looser than the longest document on either side, one cu_seqlens object for q and k or two), memory layouts (permuted
 ``[B, H, N, D]`` storage, padded head dim, a slice of wider head storage), softmax scale, and the
 front end's own choices (entry point, stream, mask spelling, jit).
 
@@ -161,6 +163,8 @@ class Config:
     scale: float
     lens_q: tuple = ()
     lens_k: tuple = ()
+    extra_q: int = 0  # varlen: rows after the last document (cu[-1] < T), on the query / key side
+    extra_k: int = 0
     layouts: tuple = ()
     options: tuple = ()
     _opts: dict = field(default=None, init=False, compare=False, repr=False)
@@ -184,11 +188,11 @@ class Config:
 
     @property
     def total_q(self) -> int:
-        return sum(self.lens_q) if self.varlen else self.batch * self.seqlen_q
+        return sum(self.lens_q) + self.extra_q if self.varlen else self.batch * self.seqlen_q
 
     @property
     def total_k(self) -> int:
-        return sum(self.lens_k) if self.varlen else self.batch * self.seqlen_k
+        return sum(self.lens_k) + self.extra_k if self.varlen else self.batch * self.seqlen_k
 
     def scores(self) -> int:
         """Elements of the reference's score matrices, all heads and documents together."""
@@ -205,7 +209,8 @@ class Config:
         return f"s{self.seed}-{self.entry.name}"
 
     def describe(self) -> str:
-        shape = (f"docs q={list(self.lens_q)} k={list(self.lens_k)}" if self.varlen
+        shape = (f"docs q={list(self.lens_q)} k={list(self.lens_k)} Tq={self.total_q} Tk={self.total_k} "
+                 f"max_seqlen={self.seqlen_q}/{self.seqlen_k}" if self.varlen
                  else f"B={self.batch} Nq={self.seqlen_q} Nk={self.seqlen_k}")
         return (f"{self.front_end} {self.id}: {shape} Hq={self.heads_q} Hkv={self.heads_kv} "
                 f"scale={self.scale:.4g} layouts={dict(self.layouts)} options={self._opts}")
@@ -242,8 +247,11 @@ def _doc_lengths(rng: random.Random, front_end: str, lim: Limits) -> tuple[list[
     if front_end == "jax":  # bucketed totals, random split (documents of 0 and 1 come up often)
         docs = rng.choice([d for d in _JAX_DOCS if d <= lim.max_docs] or [1])
         tq = rng.choice([t for t in _JAX_T if t <= lim.max_n * docs] or [1])
+        lens_q = _split(rng, tq, docs)
+        if rng.random() < 0.4:  # self-attention documents (the packed GEMM routes' own case)
+            return lens_q, list(lens_q)
         tk = tq if rng.random() < 0.4 else rng.choice([t for t in _JAX_T if t <= lim.max_n * docs] or [1])
-        return _split(rng, tq, docs), _split(rng, tk, docs)
+        return lens_q, _split(rng, tk, docs)
     docs = rng.randint(1, lim.max_docs)
     cap = max(1, lim.max_n // 2)
     lens_q, lens_k = [], []
@@ -254,7 +262,24 @@ def _doc_lengths(rng: random.Random, front_end: str, lim: Limits) -> tuple[list[
         lk = lq if r < 0.35 and lq else 0 if r < 0.45 else 1 if r < 0.5 else _length(rng, cap)
         lens_q.append(lq)
         lens_k.append(lk)
+    if rng.random() < 0.4:  # self-attention documents
+        return lens_q, list(lens_q)
     return lens_q, lens_k
+
+
+def _varlen_contract(rng: random.Random, front_end: str, lens_q, lens_k) -> tuple[int, int, int, int, list]:
+    """What else the varlen contract allows beyond the documents: ``(extra_q, extra_k, max_seqlen_q,
+    max_seqlen_k, options)`` with rows after ``cu[-1]`` on either side (so ``Tq != Tk`` even for one
+    cu_seqlens), ``max_seqlen`` looser than the longest document (either side, so ``max_seqlen_q !=
+    max_seqlen_k`` both ways), and for self-attention documents one cu_seqlens object for q and k."""
+    extras = (0, 0, 3, 64) if front_end == "jax" else (0, 0, 1, 7, 40)  # JAX: few shapes, few compiles
+    extra_q, extra_k = rng.choice(extras), rng.choice(extras)
+    loose = (0, 0, 1, 24) if front_end == "jax" else (0, 0, 1, 5, 33)
+    max_q, max_k = max(lens_q) + rng.choice(loose), max(lens_k) + rng.choice(loose)
+    options = []
+    if list(lens_q) == list(lens_k) and rng.random() < 0.7:
+        options.append(("same_cu", True))
+    return extra_q, extra_k, max_q, max_k, options
 
 
 def _layouts(rng: random.Random, names, varlen: bool, front_end: str) -> list[tuple[str, str]]:
@@ -350,13 +375,16 @@ def draw(front_end: str, seed: int, limits: Limits = GPU_LIMITS, pool=POOL) -> C
             heads_kv = rng.choice([h for h in (1, 2) if h <= hkv_cap])
         else:
             heads_kv = rng.randint(1, min(hkv_cap, 4))
+        extra_q = extra_k = 0
+        contract_options = []
         if entry.varlen:
             lens_q, lens_k = _doc_lengths(rng, front_end, lim)
             if sum(lens_q) == 0:
                 lens_q[rng.randrange(len(lens_q))] = 1  # at least one query row
             if sum(lens_k) == 0:
                 lens_k[rng.randrange(len(lens_k))] = 1  # some key to attend to
-            batch, nq, nk = len(lens_q), max(lens_q), max(lens_k)
+            extra_q, extra_k, nq, nk, contract_options = _varlen_contract(rng, front_end, lens_q, lens_k)
+            batch = len(lens_q)
         else:
             lens_q = lens_k = []
             if front_end == "jax":
@@ -382,8 +410,9 @@ def draw(front_end: str, seed: int, limits: Limits = GPU_LIMITS, pool=POOL) -> C
     layouts = _layouts(rng, names, entry.varlen, front_end)
     if front_end == "core-jax":  # JAX arrays are compact: only the (torch) outputs take layouts
         layouts = [(n, kind) for n, kind in layouts if n in ("out", "lse", "dq", "dk", "dv")]
-    return Config(front_end, seed, entry, batch, nq, nk, heads_kv, scale, tuple(lens_q), tuple(lens_k),
-                  tuple(layouts), tuple(_options(rng, front_end, entry)))
+    options = tuple(_options(rng, front_end, entry)) + tuple(contract_options)
+    return Config(front_end, seed, entry, batch, nq, nk, heads_kv, scale, tuple(lens_q), tuple(lens_k), extra_q,
+                  extra_k, tuple(layouts), options)
 
 
 def env_settings() -> tuple[int, int, list[int] | None]:

@@ -2,7 +2,8 @@
 drop-in, with stand-in kernels (tests/torch/stubs.py fp64 reference; tests/jax/numpy_launcher.py behind
 XLA FFI), judged against fp64 exactly as the GPU run judges the kernels. JAX configurations on the
 stand-in keep to fp16 (NumPy has no bfloat16 for it); ``jax@reference`` / ``jax-nn@reference`` run
-xattn.jax's own CPU path (``backend="reference"``, both dtypes), what a laptop runs."""
+xattn.jax's own CPU path (``backend="reference"``, both dtypes), what a laptop runs; ``@packed-ffpa`` draws only packed FFPA
+configurations, whose every serving backward route (GEMM ones on tests/numpy_gemm.py) runs forced."""
 
 import dataclasses
 
@@ -19,8 +20,10 @@ from .test_standin import standins  # noqa: F401  (the stand-in kernels fixture)
 pytestmark = pytest.mark.slow  # ~4 min of CPU together: CI's second step (pytest -m slow)
 
 N = {"core": 40, "core-jax": 30, "torch": 40, "jax": 25, "hf": 60, "fa4-doc": 40, "jax-nn": 30,
-     "jax@reference": 12, "jax-nn@reference": 15}
+     "jax@reference": 12, "jax-nn@reference": 15, "torch@packed-ffpa": 30, "jax@packed-ffpa": 20}
 FP16_POOL = tuple(e for e in space.POOL if e.dtype == "float16")
+# "@packed-ffpa": the packed FFPA entries only, the configurations with a choice of backward routes (all run)
+PACKED_FFPA = tuple(e for e in space.POOL if e.family == "ffpa" and e.varlen)
 
 
 def _configs(name: str) -> list:
@@ -33,12 +36,14 @@ def _configs(name: str) -> list:
             cfg = draw_form(front_end, seed, space.CPU_LIMITS)
             if front_end == "jax-nn" and cfg.dtype != "float16" and not backend:
                 continue
-            if backend:
+            if backend == "reference":
                 cfg = dataclasses.replace(cfg, form=cfg.form + (("backend", backend),))
         else:
-            pool = FP16_POOL if front_end == "jax" and not backend else space.POOL
+            pool = FP16_POOL if front_end == "jax" and backend != "reference" else space.POOL
+            if backend == "packed-ffpa":
+                pool = tuple(e for e in PACKED_FFPA if e in pool)
             cfg = space.draw(front_end, seed, space.CPU_LIMITS, pool=pool)
-            if backend:
+            if backend == "reference":
                 cfg = dataclasses.replace(cfg, options=cfg.options + (("backend", backend),))
         out.append(cfg)
     return out

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests import numpy_gemm
 from tests.jax import numpy_launcher
 from tests.reference import attention as ref_attention
 from tests.torch import stubs
@@ -49,14 +50,42 @@ def _dlpack_inputs(fn):
     return run
 
 
+def _gemm_standin(spec):
+    """tests/numpy_gemm.py's launcher for the torch GEMM drivers: NumPy reads no bfloat16, so bf16 buffers go
+    through fp32 copies, written back after the call."""
+    run = numpy_gemm.make(spec)
+
+    def wide(a):  # the same element strides (alignment checks see what the bf16 view has)
+        if not (isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16):
+            return a
+        return torch.empty_strided(a.shape, a.stride(), dtype=torch.float32).copy_(a)
+
+    def launch(*args):
+        wide_args = [wide(a) for a in args]
+        run(*wide_args)
+        for a, w in zip(args, wide_args):
+            if w is not a:
+                a.copy_(w)
+    return launch
+
+
 @pytest.fixture
 def standins(monkeypatch):
+    """Stand-ins of every launcher both front ends reach, the GEMM backwards' too (their routes run forced)."""
+    from xattn.torch import gemm_bwd, gemm_bwd_segments
+
     stubs.install(monkeypatch)
     for fam in ("ffpa", "fa4"):
         monkeypatch.setitem(harness.CORE, f"{fam}_fwd", _dlpack_inputs(stubs.core_fwd(fam)))
         monkeypatch.setitem(harness.CORE, f"{fam}_bwd", _dlpack_inputs(stubs.core_bwd(fam)))
-    _ffi.set_launcher_provider(numpy_launcher.provider)
+    def gemms_on_standins(gemms, q):
+        return gemms or gemm_bwd.CoreGemms(q.dtype, num_sms=132, launcher=_gemm_standin)
+
+    monkeypatch.setattr(gemm_bwd, "default_gemms", gemms_on_standins)
+    monkeypatch.setattr(gemm_bwd_segments, "default_gemms", gemms_on_standins)
+    _ffi.set_launcher_provider(numpy_gemm.provider(numpy_launcher.provider))
     numpy_launcher.CALLS.clear()
+    numpy_gemm.CALLS.clear()
     yield
     _ffi.set_launcher_provider(None)
 
@@ -74,7 +103,10 @@ def test_every_front_end_runs_end_to_end_with_stand_in_kernels(front_end, standi
     for i, name in enumerate(PICKS[front_end]):
         cfg = _config(front_end, name, i)
         checks = harness.run_one(cfg, collector, "cpu")
-        assert [c.name for c in checks if c.name != "refusal"] == list(harness.QUANTITIES)
+        names = [c.name for c in checks if c.name != "refusal"]
+        routes = harness.routes_of(cfg)
+        assert names == (list(harness.QUANTITIES) if len(routes) == 1 else
+                         [f"{n}@{r}" for r in routes for n in harness.QUANTITIES])
         assert all(c.ok and c.ratio < 0.7 for c in checks), (cfg.describe(), checks)
     calls = numpy_launcher.CALLS if front_end == "jax" else stubs.CALLS
     assert len(calls) >= 6  # a forward and a backward per configuration reached the stand-in

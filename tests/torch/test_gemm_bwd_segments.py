@@ -193,3 +193,18 @@ def test_equal_documents_run_as_one_dense_batch(monkeypatch, lens, hq, hkv, caus
         assert x.shape == ref.shape, name
         assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name
         assert not x[sum(lens):].any(), name
+
+
+@pytest.mark.parametrize("lens, hq", [((1,), 1), ((2, 1), 2), ((3,), 1)])
+def test_a_batch_of_fewer_rows_than_one_launch_alignment(lens, hq):
+    """Found by the contract fuzz (issue #42): a launch's rows are padded to a multiple of 8 with rows that
+    read query rows 0, 1, ...; a batch with fewer query-side rows than that padding (one 1-token document,
+    one head) indexed past its row vectors (IndexError here, a device-side assert on the GPU)."""
+    q, k, v, dout, cu = _case(list(lens), hq, 1, 0, d=32, seed=9)
+    scale = 32 ** -0.5
+    out, lse, want = _want(q, k, v, dout, cu, scale, True)
+    got = seg.gemm_backward_segments(dout, q, k, v, out.half(), lse.float(), list(lens), softmax_scale=scale,
+                                     causal=True, gemms=gb.CoreGemms(torch.float16, num_sms=132,
+                                                                     launcher=numpy_gemm.make))
+    for name, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert (x.double() - r).abs().max().item() < 2e-2 * max(1.0, r.abs().max().item()), name

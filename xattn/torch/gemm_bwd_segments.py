@@ -129,7 +129,7 @@ def gemm_backward_segments(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     # block's first row's position plus the row's token offset in its piece; else the document's end)
     piece_of = torch.repeat_interleave(torch.arange(n_pieces, device=dev), counts_d, output_size=row_at)
     within = torch.arange(row_at, device=dev) - firsts_d.long()[piece_of]
-    qrow = qrows_d.long()[piece_of] + within
+    qrow = (qrows_d.long()[piece_of] + within).clamp_(max=Hkv * T * g - 1)  # padding rows past a tiny batch
     rowpos = (poss_d.float()[piece_of] + (within // g).float()) if causal else poss_d.float()[piece_of]
     del piece_of, within
 
