@@ -18,12 +18,12 @@ nothing is gathered. Padding queries return zeros.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
 
 from .attention import attention
+from .varlen_check import cu_seqlens_from_lengths
 
 __all__ = ["causal_fa4_attention", "document_causal_fa4_attention", "varlen_layout", "varlen_segments",
            "LAYOUT_CACHE", "LAYOUT_GENERATION", "PAD_DOC_ID"]
@@ -130,10 +130,6 @@ def _same_step(kv_doc_ids: torch.Tensor) -> bool:
             and held.device == kv_doc_ids.device and bool(torch.equal(held, kv_doc_ids)))
 
 
-def _cumulative(lengths: list[int], device) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
-
-
 def _build_layout(q_doc_ids, kv_doc_ids, q_length: int, q_global_start: int):
     ids = LAYOUT_GENERATION[1]  # the step's one device -> host copy
     if not torch.equal(q_doc_ids.detach().cpu(), ids[:, q_global_start:q_global_start + q_length]):
@@ -141,7 +137,8 @@ def _build_layout(q_doc_ids, kv_doc_ids, q_length: int, q_global_start: int):
                          "(the ids of the local queries)")
     q_lens, k_lens = varlen_segments(ids, q_length, q_global_start)
     device = kv_doc_ids.device
-    return _cumulative(q_lens, device), _cumulative(k_lens, device), max(q_lens, default=0), max(k_lens, default=0)
+    return (cu_seqlens_from_lengths(q_lens, device), cu_seqlens_from_lengths(k_lens, device), max(q_lens, default=0),
+            max(k_lens, default=0))
 
 
 def varlen_layout(q_doc_ids: torch.Tensor, kv_doc_ids: torch.Tensor,

@@ -1,10 +1,11 @@
 """Checked varlen inputs for torch: the rules of :mod:`xattn.core.varlen_check` on the tensors' device.
 
 Glossary: S segments, Tq/Tk packed tokens (``q.shape[0]``/``k.shape[0]``), int32 ``cu_seqlens_q/k``
-``[S + 1]``. :func:`check_cu_seqlens` evaluates every rule of both tensors with torch ops where they
-live, gathers the results into one small int64 tensor and reads it with a single ``.tolist()``: the
-only host synchronisation of checked mode. The unchecked path never calls it (no sync, no cost
-beyond reading ``XATTN_CHECK_INPUTS`` on varlen calls).
+``[S + 1]`` (:func:`cu_seqlens_from_lengths` builds one from host segment lengths).
+:func:`check_cu_seqlens` evaluates every rule of both tensors with torch ops where they live, gathers
+the results into one small int64 tensor and reads it with a single ``.tolist()``: the only host
+synchronisation of checked mode. The unchecked path never calls it (no sync, no cost beyond reading
+``XATTN_CHECK_INPUTS`` on varlen calls).
 
 Under ``torch.compile`` the check is a ``torch.compiler.disable`` region: checked mode breaks the
 graph around it (``fullgraph=True`` refuses it), and ``XATTN_CHECK_INPUTS`` is read when a function is
@@ -14,11 +15,13 @@ a debugging mode; leave it off for compiled or captured steps.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from xattn.core import varlen_check as vc
 
-__all__ = ["check_cu_seqlens", "checking"]
+__all__ = ["check_cu_seqlens", "checking", "cu_seqlens_from_lengths"]
 
 checking = vc.checking
 
@@ -27,6 +30,11 @@ _OPS = vc.ArrayOps(
     take=torch.take,
     stack=lambda values: torch.stack([v.to(torch.int64) for v in values]),
 )
+
+
+def cu_seqlens_from_lengths(lengths, device) -> torch.Tensor:
+    """int32 ``cu_seqlens`` ``[S + 1]`` on ``device`` (``0``, then the running sums) of ``S`` host segment lengths."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
 
 
 def _metadata(name: str, cu, other=None) -> None:

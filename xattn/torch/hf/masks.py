@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..varlen_check import cu_seqlens_from_lengths
 from .kernel_mask import KernelMask
 
 __all__ = ["Pattern", "describe", "hf_window", "keeps_every_key", "plan_hf_mask"]
@@ -142,13 +143,6 @@ def _shifted(left, right, shift: int):
     return wl, wr
 
 
-def _cu(lengths: list[int], device) -> torch.Tensor:
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device=device)
-
-
 def _packed_plan(pattern: Pattern, b: int, n: int, device):
     """Segments = runs of equal document ids in each row (one host sync)."""
     ids = pattern.doc_ids.to(device)
@@ -156,7 +150,7 @@ def _packed_plan(pattern: Pattern, b: int, n: int, device):
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     flat = torch.nonzero(starts.flatten()).flatten().tolist() + [b * n]
     lens = [e - s for s, e in zip(flat[:-1], flat[1:])]
-    cu = _cu(lens, device)
+    cu = cu_seqlens_from_lengths(lens, device)
     return dict(window=(pattern.left, pattern.right), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                 max_seqlen_k=max(lens), description=f"packed: {len(lens)} documents")
 
@@ -188,7 +182,8 @@ def _padded_plan(pattern: Pattern, keep: torch.Tensor, nq: int, base: int):
     for cnt, a, e in zip(*rows):
         q_lens += [0, nq, 0]
         k_lens += [a, e - a, nk - e]
-    return dict(window=window, cu_seqlens_q=_cu(q_lens, keep.device), cu_seqlens_k=_cu(k_lens, keep.device),
+    return dict(window=window, cu_seqlens_q=cu_seqlens_from_lengths(q_lens, keep.device),
+                cu_seqlens_k=cu_seqlens_from_lengths(k_lens, keep.device),
                 max_seqlen_q=nq, max_seqlen_k=max(k_lens), description=f"padded: {b} rows")
 
 
