@@ -92,7 +92,7 @@ def launcher(spec: KernelSpec):
 def install(monkeypatch, compiler=launcher) -> None:
     """Run the real core on CPU tensors with :func:`launcher` (or ``compiler``) behind its cache."""
     monkeypatch.setattr(checks, "_KDLCUDA", 1)  # kDLCPU: the CPU stands in for the GPU
-    monkeypatch.setattr(checks, "_QUICK", {})
+    monkeypatch.setattr(checks, "_QUICK", checks.Memo())
     monkeypatch.setattr(cache, "_entries", {})
     monkeypatch.setattr(cache, "_key_locks", {})
     monkeypatch.setattr(cache, "_compiler", compiler)

@@ -2,8 +2,9 @@
 drop-in, with stand-in kernels (tests/torch/stubs.py fp64 reference; tests/jax/numpy_launcher.py behind
 XLA FFI), judged against fp64 exactly as the GPU run judges the kernels. JAX configurations on the
 stand-in keep to fp16 (NumPy has no bfloat16 for it); ``jax@reference`` / ``jax-nn@reference`` run
-xattn.jax's own CPU path (``backend="reference"``, both dtypes), what a laptop runs; ``@packed-ffpa`` draws only packed FFPA
-configurations, whose every serving backward route (GEMM ones on tests/numpy_gemm.py) runs forced."""
+xattn.jax's own CPU path (``backend="reference"``, both dtypes), what a laptop runs; ``@packed-ffpa`` draws
+only packed FFPA configurations, whose every serving backward route (GEMM ones on tests/numpy_gemm.py) runs
+forced."""
 
 import dataclasses
 

@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from tests.reference import attention as ref_attention, attention_bwd as ref_bwd, varlen_attention as ref_varlen
-from xattn.core.checks import Meta, buffer_shapes, validate
+from xattn.core.checks import Memo, Meta, buffer_shapes, validate
 from xattn.torch import ops
 
 CALLS = []
@@ -101,8 +101,8 @@ _REPLACED = {
     "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd()},
     "validate": lambda: validate_any_head_dim,
     "check_buffers": lambda: check_shapes_only,
-    "_PLANS": dict,
-    "_FWD_PLANS": dict,
+    "_CHECKED": Memo,
+    "_FWD_SETUPS": Memo,
 }
 
 

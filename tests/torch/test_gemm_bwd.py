@@ -214,7 +214,7 @@ def test_varlen_route_reads_document_lengths(monkeypatch, lens, route):
     t = sum(lens)
     q, k = torch.empty(t, 8, 512, dtype=torch.bfloat16), torch.empty(t, 1, 512, dtype=torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    spec = ops._plan("bwd", "ffpa", q, k, k, True, -1, -1, cu, cu, max(lens), max(lens))[0]
+    spec = ops._checked("bwd", "ffpa", q, k, k, True, -1, -1, cu, cu, max(lens), max(lens))[0]
     chosen, lengths = ops._bwd_route(spec, q, k, cu, cu)
     assert chosen.name == route and lengths == (lens, lens)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "ffpa")  # the forced FFPA route never reads cu_seqlens
@@ -229,7 +229,7 @@ def test_varlen_route_under_cuda_graph_capture_needs_no_lengths(monkeypatch):
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     q, k = torch.empty(8192, 8, 512, dtype=torch.bfloat16), torch.empty(8192, 1, 512, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4096, 8192], dtype=torch.int32)
-    spec = ops._plan("bwd", "ffpa", q, k, k, True, -1, -1, cu, cu, 4096, 4096)[0]
+    spec = ops._checked("bwd", "ffpa", q, k, k, True, -1, -1, cu, cu, 4096, 4096)[0]
 
     class CudaLike(torch.Tensor):
         is_cuda = True
@@ -281,7 +281,7 @@ def test_short_groups_leave_the_gemm_route(monkeypatch, lens_q, lens_k, causal):
     monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     lengths = (lens_q, lens_k)
-    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu_q, cu_k,
+    plan = ops._checked("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu_q, cu_k,
                      max(lens_q), max(lens_k))
     got = ops._gemm_bwd(plan, "gemm-groups+fused", dout, q, k, v, out.half(), lse.float(), scale, lengths,
                         (cu_q, cu_k, max(lens_q), max(lens_k)))

@@ -118,7 +118,7 @@ def test_a_mix_with_unequal_row_counts_runs_on_the_segments(monkeypatch, extra_q
         *a, **{**kw, "gemms": gb.CoreGemms(torch.float16, num_sms=132, launcher=numpy_gemm.make)}))
     monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
     monkeypatch.setenv("XATTN_BWD_ROUTE", "gemm")
-    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
+    plan = ops._checked("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
     route, lengths = ops._bwd_route(plan[0], q, k, cu, cu)
     assert route.name == "gemm-segments"
     got = ops._gemm_bwd(plan, route.name, dout, q, k, v, out.half(), lse.float(), scale, lengths, (cu, cu, 300, 300))
@@ -149,7 +149,7 @@ def test_gemm_route_dispatches_a_mix_to_the_segments(monkeypatch):
     monkeypatch.setattr(ops, "check_buffers", lambda *a: 0)  # CUDA-only buffer checks (tested elsewhere)
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 0),))  # the GEMM routes at these sizes
-    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
+    plan = ops._checked("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), True, -1, -1, cu, cu, 300, 300)
     route, lengths = ops._bwd_route(plan[0], q, k, cu, cu)
     assert route.name == "gemm-segments"
     got = ops._gemm_bwd(plan, route.name, dout, q, k, v, out.half(), lse.float(), scale, lengths, (cu, cu, 300, 300))
@@ -183,7 +183,7 @@ def test_equal_documents_run_as_one_dense_batch(monkeypatch, lens, hq, hkv, caus
     monkeypatch.delenv("XATTN_BWD_ROUTE", raising=False)
     monkeypatch.setattr(routes, "MIN_KEYS_BY_GROUP", ((1, 0),))  # the GEMM routes at these sizes
     n = max(lens)
-    plan = ops._plan("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu, cu, n, n)
+    plan = ops._checked("bwd", "ffpa", q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, -1, -1, cu, cu, n, n)
     route, lengths = ops._bwd_route(plan[0], q, k, cu, cu)
     assert route.name == "gemm-dense"
     got = ops._gemm_bwd(plan, route.name, dout, q, k, v, out.half(), lse.float(), scale, lengths, (cu, cu, n, n))

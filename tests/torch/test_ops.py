@@ -7,6 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import xattn.torch as xt
+from xattn.core.checks import Memo
 from tests.reference import attention as ref_attention
 
 from . import stubs
@@ -181,8 +182,8 @@ def test_forward_checks_run_once_per_signature(monkeypatch):
 
     checked = []
     monkeypatch.setattr(ops, "validate", _recording(ops.validate, checked))
-    monkeypatch.setattr(ops, "_PLANS", {})
-    monkeypatch.setattr(ops, "_FWD_PLANS", {})
+    monkeypatch.setattr(ops, "_CHECKED", Memo())
+    monkeypatch.setattr(ops, "_FWD_SETUPS", Memo())
     q, k, v = (t.detach() for t in _qkv(b=1, nq=5, nk=7, d=128))
     for _ in range(3):
         xt.attention(q, k, v, causal=True)
@@ -193,4 +194,4 @@ def test_forward_checks_run_once_per_signature(monkeypatch):
     for _ in range(2):  # rank 3 without cu_seqlens: refused by the shape checks, each time
         with pytest.raises(ValueError, match="expected rank 4"):
             xt.attention(q[0], k[0], v[0])
-    assert len(checked) == 5 and len(ops._FWD_PLANS) == 3
+    assert len(checked) == 5 and len(ops._FWD_SETUPS) == 3

@@ -109,11 +109,11 @@ def _fwd(family, q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seql
     scale = check_scale(softmax_scale)
     raw = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
-    plan = quick_check(family, "fwd", raw, causal, *varlen_args) or \
+    checked = quick_check(family, "fwd", raw, causal, *varlen_args) or \
         check_attention(family, "fwd", raw, causal, *varlen_args)[:2]
-    if plan[0].varlen and checking(check_inputs):
-        check_host(cu_seqlens_q, cu_seqlens_k, plan[1].total_q, plan[1].total_k, max_seqlen_q, max_seqlen_k)
-    launch_fwd(plan, q, k, v, out, lse, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+    if checked[0].varlen and checking(check_inputs):
+        check_host(cu_seqlens_q, cu_seqlens_k, checked[1].total_q, checked[1].total_k, max_seqlen_q, max_seqlen_k)
+    launch_fwd(checked, q, k, v, out, lse, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, stream=stream)
 
 
@@ -123,18 +123,18 @@ def _bwd(family, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_
     scale = check_scale(softmax_scale)
     raw = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
-    plan = quick_check(family, "bwd", raw, causal, *varlen_args) or \
+    checked = quick_check(family, "bwd", raw, causal, *varlen_args) or \
         check_attention(family, "bwd", raw, causal, *varlen_args)[:2]
-    if plan[0].varlen and checking(check_inputs):
-        check_host(cu_seqlens_q, cu_seqlens_k, plan[1].total_q, plan[1].total_k, max_seqlen_q, max_seqlen_k)
-    launch_bwd(plan, dout, q, k, v, out, lse, dq, dk, dv, workspace=workspace, softmax_scale=scale,
+    if checked[0].varlen and checking(check_inputs):
+        check_host(cu_seqlens_q, cu_seqlens_k, checked[1].total_q, checked[1].total_k, max_seqlen_q, max_seqlen_k)
+    launch_bwd(checked, dout, q, k, v, out, lse, dq, dk, dv, workspace=workspace, softmax_scale=scale,
                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                max_seqlen_k=max_seqlen_k, stream=stream)
 
 
-def launch_fwd(plan, q, k, v, out, lse, *, softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+def launch_fwd(checked, q, k, v, out, lse, *, softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
                max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, stream: int | None = None) -> None:
-    """Enqueue the forward of a call that :func:`~xattn.core.checks.validate` accepted: ``plan`` is its
+    """Enqueue the forward of a call that :func:`~xattn.core.checks.validate` accepted: ``checked`` is its
     ``(spec, problem)``, ``softmax_scale`` a float that :func:`~xattn.core.checks.check_scale` returned.
 
     The front ends' entry (they validate once per call, allocate, then launch here); :func:`ffpa_fwd`
@@ -142,7 +142,7 @@ def launch_fwd(plan, q, k, v, out, lse, *, softmax_scale: float, cu_seqlens_q=No
     device are checked in C by the launcher before any kernel starts; a refusal is explained by name
     (:func:`~xattn.core.checks.check_attention`). cu_seqlens values are trusted (see the module docstring).
     """
-    spec, problem = plan
+    spec, problem = checked
     if stream is not None:
         _check_stream(stream)
     args = (q, k, v, out, lse) if not spec.varlen else (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
@@ -154,12 +154,12 @@ def launch_fwd(plan, q, k, v, out, lse, *, softmax_scale: float, cu_seqlens_q=No
     _launch(get_launcher(spec), problem, args, softmax_scale, stream, diagnose)
 
 
-def launch_bwd(plan, dout, q, k, v, out, lse, dq, dk, dv, *, workspace, softmax_scale: float, cu_seqlens_q=None,
+def launch_bwd(checked, dout, q, k, v, out, lse, dq, dk, dv, *, workspace, softmax_scale: float, cu_seqlens_q=None,
                cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                stream: int | None = None) -> None:
     """Enqueue the backward of a validated call, as :func:`launch_fwd`; ``workspace`` is the list of
     buffers :func:`bwd_workspace` describes (their shapes are checked here: C does not check their rows)."""
-    spec, problem = plan
+    spec, problem = checked
     if stream is not None:
         _check_stream(stream)
     raw = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}

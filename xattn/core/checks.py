@@ -20,13 +20,30 @@ from .device import no_gpu_reason
 from .spec import DTYPES, KernelSpec, canonical_mask, supports
 from .varlen_check import check_metadata
 
-__all__ = ["Meta", "Problem", "validate", "buffer_shapes", "as_tensor", "check_attention", "check_buffers",
+__all__ = ["Meta", "Memo", "Problem", "validate", "buffer_shapes", "as_tensor", "check_attention", "check_buffers",
            "check_layout_sizes", "check_scale", "check_sizes", "check_window", "check_workspace", "quick_check"]
 
 _KDLCUDA = 2
 _HALF_DIV = 8  # elements per 16 bytes for fp16/bf16
 INT32_MAX = 2 ** 31 - 1  # the launchers' symbolic shapes and the kernels' row counts are 32-bit
 GRID_YZ_MAX = 65535  # CUDA grid dims y/z: dense launches put heads on y and the batch on z
+
+
+class Memo(dict):
+    """The one memo of validation: answers derived from a call's metadata (the validator's ``(spec, problem)``,
+    and what the front ends derive from it), keyed by that metadata. Bounded: cleared whole once it holds
+    ``maxsize`` entries (a process that sees ever new shapes never grows without bound)."""
+
+    def __init__(self, maxsize: int = 4096):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def put(self, key, value):
+        """Store ``value`` under ``key`` (clearing first when full); returns ``value``."""
+        if len(self) >= self.maxsize:
+            self.clear()
+        self[key] = value
+        return value
 
 
 class Problem(NamedTuple):
@@ -338,9 +355,7 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
             metas = [Meta(tuple(_shape(x)), _dtype_name(x, _view(x))) for x in (q_raw, k_raw, v_raw)]
             hit = validate(family, direction, *metas, causal=causal, window=window, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, device_index=dev.index, **cu)
-            if len(_QUICK) > 4096:
-                _QUICK.clear()
-            _QUICK[key] = hit
+            _QUICK.put(key, hit)
         return hit
     except Exception:  # anything unexpected: let the full check name it
         return None
@@ -349,7 +364,7 @@ def quick_check(family: str, direction: str, buffers: dict, causal, cu_seqlens_q
 # (family, direction, causal, window, producer type/dtype, q/k/v/cu shapes, max_seqlens, device) ->
 # (spec, problem):
 # everything quick_check derives from metadata that does not change between calls of one model.
-_QUICK: dict = {}
+_QUICK = Memo()
 
 
 def check_attention(family: str, direction: str, buffers: dict, causal: bool = False,

@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
 from xattn.core import gemm_bwd_plan, routes
-from xattn.core.checks import Meta, Problem, check_layout_sizes, check_scale, validate
+from xattn.core.checks import Memo, Meta, Problem, check_layout_sizes, check_scale, validate
 from xattn.core.spec import KernelSpec, canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -76,7 +76,7 @@ class Config:
     def __post_init__(self):
         object.__setattr__(self, "scale", static_scale(self.scale, 0))  # every route (nn, varlen, ring) too
 
-    def plan(self, direction: str, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+    def checked(self, direction: str, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
              max_seqlen_k=None) -> tuple[KernelSpec, Problem]:
         """``(spec, problem)`` of this call from the core's one validator (:func:`xattn.core.checks.validate`:
         TypeError for dtypes, ValueError for shapes and sizes, NotImplementedError for configurations no
@@ -84,15 +84,15 @@ class Config:
         ``kernel_rules`` (the reference by name) only the shape rules apply. On the kernel backend, the
         backward also applies the deterministic mode (:mod:`xattn.jax.determinism`)."""
         cu = None if cu_seqlens_q is None else (_meta(cu_seqlens_q), _meta(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
-        plan = _validated(self.family, direction, _meta(q), _meta(k), _meta(v), self.causal, self.window, cu,
+        checked = _validated(self.family, direction, _meta(q), _meta(k), _meta(v), self.causal, self.window, cu,
                           self.kernel_rules)
         if direction == "bwd" and self.backend == "kernel":
-            check_backward(plan[0], self.deterministic)  # XATTN_DETERMINISTIC: raise/warn if nondeterministic
-        return plan
+            check_backward(checked[0], self.deterministic)  # XATTN_DETERMINISTIC: raise/warn if nondeterministic
+        return checked
 
     def spec(self, direction: str, q, k, v, *varlen_args) -> KernelSpec:
-        """The launcher spec of :meth:`plan`."""
-        return self.plan(direction, q, k, v, *varlen_args)[0]
+        """The launcher spec of :meth:`checked`."""
+        return self.checked(direction, q, k, v, *varlen_args)[0]
 
     def budget(self) -> int:
         """The GEMM backward's block budget in bytes (validated here, when a backward is traced)."""
@@ -103,13 +103,19 @@ def _meta(x) -> Meta:
     return Meta(tuple(x.shape), jnp.dtype(x.dtype).name)
 
 
-@functools.lru_cache(maxsize=4096)
+_VALIDATED = Memo()  # the call's metadata -> (spec, problem) from the core's validator
+
+
 def _validated(family, direction, q, k, v, causal, window, varlen, kernel_rules):
-    cu = {}
-    if varlen is not None:
-        cu = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
-    return validate(family, direction, q, k, v, causal=causal, window=window, allow_no_keys=True,
-                    kernel_rules=kernel_rules, **cu)
+    key = (family, direction, q, k, v, causal, window, varlen, kernel_rules)
+    hit = _VALIDATED.get(key)
+    if hit is None:
+        cu = {}
+        if varlen is not None:
+            cu = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
+        hit = _VALIDATED.put(key, validate(family, direction, q, k, v, causal=causal, window=window,
+                                           allow_no_keys=True, kernel_rules=kernel_rules, **cu))
+    return hit
 
 
 def resolve_backend(backend: str) -> str:
@@ -123,7 +129,7 @@ def resolve_backend(backend: str) -> str:
 
 def check_dense(q, k, v) -> None:
     """q, k, v are arrays (JAX or NumPy); their ranks, shapes and dtypes are the core validator's
-    (:meth:`Config.plan`), which every public function runs on them."""
+    (:meth:`Config.checked`), which every public function runs on them."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name}: expected a JAX or NumPy array, got {type(x).__name__}")
@@ -147,7 +153,7 @@ def _fwd_call(cfg: Config, q, k, v):
     return out, lse
 
 
-def _bwd_plan(cfg: Config, q, k, v):
+def _bwd_setup(cfg: Config, q, k, v):
     """``(spec, route, workspace)`` of a dense backward (:func:`xattn.core.routes.backward_route`), or the
     kernels' named error (the spec's rules, and a workspace past 32-bit indexing); the reference backend runs it
     too, for its errors."""
@@ -166,7 +172,7 @@ def _bwd_call(cfg: Config, dout, q, k, v, out, lse):
     if _no_launch(q, k):  # no row or no key: every gradient is 0
         cfg.spec("bwd", q, k, v)
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    spec, route, ws = _bwd_plan(cfg, q, k, v)
+    spec, route, ws = _bwd_setup(cfg, q, k, v)
     _log.debug("xattn backward route %s: %s", route.name, route.reason)
     if route.name == "gemm":
         from .gemm_bwd import gemm_backward
@@ -201,7 +207,7 @@ def forward_call(cfg: Config, q, k, v):
     """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of one dense call on ``cfg``'s backend (inputs
     already checked); the building block of the custom_vjp functions, :mod:`.nn` and :mod:`.ring`."""
     if cfg.backend == "reference":
-        cfg.plan("fwd", q, k, v)  # the one validator; under kernel_rules, what the kernels would refuse too
+        cfg.checked("fwd", q, k, v)  # the one validator; under kernel_rules, what the kernels would refuse too
         return attention_reference(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window)
     out, lse = _kernels(cfg)[0](q, k, v)
     return out, lse
@@ -212,9 +218,9 @@ def backward_call(cfg: Config, dout, q, k, v, out, lse):
     backend and backward route; inputs already checked, as :func:`forward_call`."""
     if cfg.backend == "reference":
         if cfg.kernel_rules:
-            _bwd_plan(cfg, q, k, v)  # the validator, and the kernels' workspace limits
+            _bwd_setup(cfg, q, k, v)  # the validator, and the kernels' workspace limits
         else:
-            cfg.plan("bwd", q, k, v)
+            cfg.checked("bwd", q, k, v)
         return attention_reference_bwd(dout, q, k, v, out, lse, scale=cfg.scale, causal=cfg.causal,
                                        window=cfg.window)
     dq, dk, dv = _kernels(cfg)[1](dout, q, k, v, out, lse)

@@ -93,7 +93,7 @@ def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
     public functions and :mod:`xattn.jax.nn` validate first)."""
     c = cfg.base
     if c.backend == "reference":
-        c.plan("fwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
+        c.checked("fwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
         out, lse = attention_reference(q[None], k[None], v[None], scale=c.scale, mask=mask)
         return out[0], lse[0]
@@ -111,7 +111,7 @@ def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k)
     (the family's fused varlen backward or a GEMM backward); no checks, as :func:`varlen_forward_call`."""
     c = cfg.base
     if c.backend == "reference":
-        c.plan("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
+        c.checked("bwd", q, k, v, cu_q, cu_k, cfg.max_seqlen_q, cfg.max_seqlen_k)  # the one validator
         mask = varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0], c.causal, c.window)
         grads = attention_reference_bwd(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                         scale=c.scale, mask=mask)
@@ -225,7 +225,7 @@ def _checked_config(q, k, v, cu_q, cu_k, family, scale, causal, window, backend,
     _check_same_devices(q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     cfg = dataclasses.replace(_config(family, q, scale, causal, window, backend, max_seqlen_q, max_seqlen_k),
                               same_segments=cu_q is cu_k)
-    cfg.base.plan("fwd", q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    cfg.base.checked("fwd", q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
     if vc.checking(check_inputs):
         cu_q, cu_k = _check_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return cfg, cu_q, cu_k

@@ -25,7 +25,7 @@ from torch import Tensor
 
 import xattn.core as xc
 from xattn.core.api import launch_bwd, launch_fwd
-from xattn.core.checks import Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
+from xattn.core.checks import Memo, Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
 from xattn.core import gemm_bwd_plan as xc_plans
 from xattn.core import routes
 from xattn.core.determinism import nondeterministic_op
@@ -47,11 +47,10 @@ def _meta(name: str, t) -> Meta:
     return Meta(tuple(t.shape), _DTYPES.get(t.dtype) or str(t.dtype).removeprefix("torch."))
 
 
-_PLANS: dict = {}  # the call's metadata -> (spec, problem) from the core's validator
-_MAX_PLANS = 4096
+_CHECKED = Memo()  # the call's metadata -> (spec, problem) from the core's validator
 
 
-def _plan(direction, family, q, k, v, causal, window_left, window_right, cu_seqlens_q=None, cu_seqlens_k=None,
+def _checked(direction, family, q, k, v, causal, window_left, window_right, cu_seqlens_q=None, cu_seqlens_k=None,
           max_seqlen_q=0, max_seqlen_k=0) -> tuple[xc.KernelSpec, Problem]:
     """``(spec, problem)`` of a call from :func:`xattn.core.checks.validate` (the one validator), memoised
     by the metadata it reads: once per signature (decode calls repeat one). Sides ``-1`` = unbounded."""
@@ -59,20 +58,17 @@ def _plan(direction, family, q, k, v, causal, window_left, window_right, cu_seql
            window_right, None if cu_seqlens_q is None else (cu_seqlens_q.shape, cu_seqlens_q.dtype),
            None if cu_seqlens_k is None else (cu_seqlens_k.shape, cu_seqlens_k.dtype), max_seqlen_q, max_seqlen_k,
            q.device.index)
-    plan = _PLANS.get(key)
-    if plan is None:
+    checked = _CHECKED.get(key)
+    if checked is None:
         cu = {}
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             cu = {n: None if t is None else _meta(n, t)
                   for n, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))}
             cu.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        plan = validate(family, direction, _meta("q", q), _meta("k", k), _meta("v", v), causal=causal,
-                        window=(window_left, window_right), device_index=q.device.index or 0, allow_no_keys=True,
-                        **cu)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+        checked = _CHECKED.put(key, validate(family, direction, _meta("q", q), _meta("k", k), _meta("v", v),
+                                             causal=causal, window=(window_left, window_right),
+                                             device_index=q.device.index or 0, allow_no_keys=True, **cu))
+    return checked
 
 
 def _new(shape, dtype, device, fill):
@@ -92,13 +88,13 @@ def _no_keys(problem: Problem) -> bool:
     return problem.total_k == 0 and problem.total_q > 0
 
 
-def _check_buffers(plan, buffers: dict, cu_q=None, cu_q_k=None) -> None:
+def _check_buffers(checked, buffers: dict, cu_q=None, cu_q_k=None) -> None:
     """The per-buffer checks (devices, strides, alignment) of a call no kernel launch will see: the core's
     launchers make them in C, but a call without keys is answered here (out 0 / lse -inf, grads 0)."""
     views = {n: as_tensor(t, n) for n, t in buffers.items()}
     if cu_q is not None:
         views.update(cu_seqlens_q=as_tensor(cu_q, "cu_seqlens_q"), cu_seqlens_k=as_tensor(cu_q_k, "cu_seqlens_k"))
-    check_buffers(*plan, views)
+    check_buffers(*checked, views)
 
 
 def _fwd_shapes(q, v, varlen):
@@ -106,23 +102,20 @@ def _fwd_shapes(q, v, varlen):
     return (*q.shape[:-1], v.shape[-1]), lse
 
 
-_FWD_PLANS: dict = {}  # (spec, problem) -> what forward_impl derives from them alone
+_FWD_SETUPS = Memo()  # (spec, problem) -> what forward_impl derives from them alone
 
 
-def _fwd_plan(q, k, v, family, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+def _fwd_setup(q, k, v, family, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k):
-    """``(plan, no_keys, fills, out_shape, lse_shape)`` of a forward, from the validated ``plan``."""
-    plan = _plan("fwd", family, q, k, v, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k)
-    derived = _FWD_PLANS.get(plan)
+    """``(checked, no_keys, fills, out_shape, lse_shape)`` of a forward, from its validated ``(spec, problem)``."""
+    checked = _checked("fwd", family, q, k, v, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k)
+    derived = _FWD_SETUPS.get(checked)
     if derived is None:
-        spec, problem = plan
+        spec, problem = checked
         no_keys = _no_keys(problem)  # every row sees no key: out 0, lse -inf
         fills = {"out": 0.0, "lse": float("-inf")} if no_keys else spec.output_fill()
-        derived = (plan, no_keys, fills, *_fwd_shapes(q, v, spec.varlen))
-        if len(_FWD_PLANS) >= _MAX_PLANS:
-            _FWD_PLANS.clear()
-        _FWD_PLANS[plan] = derived
+        derived = _FWD_SETUPS.put(checked, (checked, no_keys, fills, *_fwd_shapes(q, v, spec.varlen)))
     return derived
 
 
@@ -130,16 +123,16 @@ def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_rig
                  max_seqlen_q, max_seqlen_k):
     """The body of :func:`fwd` (also called by :mod:`xattn.torch.ring` outside the dispatcher): allocates
     and returns ``(out, lse)`` in the layouts of the module docstring."""
-    plan, no_keys, fills, out_shape, lse_shape = _fwd_plan(q, k, v, family, causal, window_left, window_right,
+    checked, no_keys, fills, out_shape, lse_shape = _fwd_setup(q, k, v, family, causal, window_left, window_right,
                                                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = check_scale(softmax_scale)
     out = _new(out_shape, q.dtype, q.device, fills.get("out"))
     lse = _new(lse_shape, torch.float32, q.device, fills.get("lse"))
     kw = _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if no_keys:
-        _check_buffers(plan, dict(q=q, k=k, v=v, out=out, lse=lse), cu_seqlens_q, cu_seqlens_k)
+        _check_buffers(checked, dict(q=q, k=k, v=v, out=out, lse=lse), cu_seqlens_q, cu_seqlens_k)
     else:
-        LAUNCH["fwd"](plan, q, k, v, out, lse, softmax_scale=scale, **kw)
+        LAUNCH["fwd"](checked, q, k, v, out, lse, softmax_scale=scale, **kw)
     return out, lse
 
 
@@ -215,9 +208,9 @@ def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window
                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefetched=None):
     """The body of :func:`bwd`: returns ``(dq, dk, dv)`` from the given out/lse, on the route
     :func:`_bwd_route` names; ``prefetched``: the forward's :class:`_LengthsCopy` of cu_seqlens."""
-    plan = _plan("bwd", family, q, k, v, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+    checked = _checked("bwd", family, q, k, v, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k)
-    spec, problem = plan
+    spec, problem = checked
     scale = check_scale(softmax_scale)
     if torch.are_deterministic_algorithms_enabled() and nondeterministic_op(spec) is not None:
         _alert_not_deterministic(nondeterministic_op(spec))  # raises, or warns under warn_only
@@ -227,27 +220,27 @@ def backward_impl(dout, q, k, v, out, lse, family, softmax_scale, causal, window
     if not (no_rows or no_keys):
         route, lengths = _bwd_route(spec, q, k, cu_seqlens_q, cu_seqlens_k, prefetched)
         if route.name != "fused":
-            return _gemm_bwd(plan, route.name, dout, q, k, v, out, lse, scale, lengths,
+            return _gemm_bwd(checked, route.name, dout, q, k, v, out, lse, scale, lengths,
                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     grads = [_new(t.shape, t.dtype, t.device, 0.0 if no_rows or no_keys else fills.get(n))
              for t, n in ((q, "dq"), (k, "dk"), (v, "dv"))]
     if no_keys:
-        _check_buffers(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=grads[0], dk=grads[1],
+        _check_buffers(checked, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=grads[0], dk=grads[1],
                                   dv=grads[2]), cu_seqlens_q, cu_seqlens_k)
         return tuple(grads)
-    _launch_bwd(plan, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _launch_bwd(checked, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return tuple(grads)
 
 
-def _launch_bwd(plan, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+def _launch_bwd(checked, grads, dout, q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k) -> None:
     """The family's fused backward kernel into ``grads`` (dq, dk, dv), with its fp32 workspace."""
-    spec, p = plan
+    spec, p = checked
     layout = bwd_workspace_shapes(spec, p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k, p.heads_q,
                                   p.heads_kv)
     check_layout_sizes(layout)  # before allocating it
     ws = [_new(shape, torch.float32, q.device, fill) for _, shape, _, fill in layout]
-    LAUNCH["bwd"](plan, dout, q, k, v, out, lse, *grads, workspace=ws, softmax_scale=scale,
+    LAUNCH["bwd"](checked, dout, q, k, v, out, lse, *grads, workspace=ws, softmax_scale=scale,
                   **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
@@ -275,15 +268,15 @@ def _bwd_route(spec: xc.KernelSpec, q: Tensor, k: Tensor, cu_seqlens_q, cu_seqle
     return route, lengths
 
 
-def _gemm_bwd(plan, route: str, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(None,) * 4):
-    """The GEMM backward ``route`` (a GEMM route name of :mod:`xattn.core.routes`) of a validated ``plan``,
+def _gemm_bwd(checked, route: str, dout, q, k, v, out, lse, scale, lengths=None, varlen_args=(None,) * 4):
+    """The GEMM backward ``route`` (a GEMM route name of :mod:`xattn.core.routes`) of a call's validated ``checked``
     after the per-buffer checks the core's launchers would make (q, k, v stand in for the dq, dk, dv it
     allocates itself); a packed batch passes its (query, key) document ``lengths`` and ``varlen_args`` =
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     from .gemm_bwd import gemm_backward, gemm_backward_equal_documents, gemm_backward_varlen
 
-    _check_buffers(plan, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), *varlen_args[:2])
-    causal = plan[0].causal
+    _check_buffers(checked, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=q, dk=k, dv=v), *varlen_args[:2])
+    causal = checked[0].causal
     if route == "gemm":
         return gemm_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
     if route == "gemm-dense":
@@ -304,7 +297,7 @@ def _gemm_bwd(plan, route: str, dout, q, k, v, out, lse, scale, lengths=None, va
     if short:
         _log.debug("xattn backward route %s: %d of %d documents (groups under the table's key count) on "
                    "the fused varlen backward", route, len(short), len(lengths[0]))
-        _ffpa_documents_bwd(grads, short, lengths, dout, q, k, v, out, lse, plan[0].family, scale, causal)
+        _ffpa_documents_bwd(grads, short, lengths, dout, q, k, v, out, lse, checked[0].family, scale, causal)
     return grads
 
 
@@ -328,10 +321,10 @@ def _ffpa_documents_bwd(grads, docs, lengths, dout, q, k, v, out, lse, family, s
     pick_q, pick_k = (lambda x: x.index_select(0, idx_q)), (lambda x: x.index_select(0, idx_k))
     sub = (pick_q(dout), pick_q(q), pick_k(k), pick_k(v), pick_q(out), lse.index_select(1, idx_q))
     max_q, max_k = max(lengths[0][i] for i in docs), max(lengths[1][i] for i in docs)
-    plan = _plan("bwd", family, sub[1], sub[2], sub[3], causal, -1, -1, sub_cu_q, sub_cu_k, max_q, max_k)
-    fills = plan[0].output_fill()
+    checked = _checked("bwd", family, sub[1], sub[2], sub[3], causal, -1, -1, sub_cu_q, sub_cu_k, max_q, max_k)
+    fills = checked[0].output_fill()
     sub_grads = [_new(t.shape, t.dtype, t.device, fills.get(n)) for t, n in zip(sub[1:4], ("dq", "dk", "dv"))]
-    _launch_bwd(plan, sub_grads, *sub, softmax_scale, sub_cu_q, sub_cu_k, max_q, max_k)
+    _launch_bwd(checked, sub_grads, *sub, softmax_scale, sub_cu_q, sub_cu_k, max_q, max_k)
     for grad, idx, part in zip(grads, (idx_q, idx_k, idx_k), sub_grads):
         grad.index_copy_(0, idx, part)
 
