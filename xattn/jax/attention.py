@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
 from xattn.core import gemm_bwd_plan, routes
-from xattn.core.checks import Memo, Meta, Problem, check_layout_sizes, check_scale, validate
+from xattn.core.checks import Memo, Meta, Problem, check_layout_sizes, check_scale, check_window, validate
 from xattn.core.spec import KernelSpec, canonical_mask
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -252,8 +252,6 @@ def _config(family, q, scale, causal, window, backend) -> Config:
     scale = static_scale(scale, q.shape[-1] if q.ndim else 0)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    from xattn.core.checks import check_window
-
     causal, left, right = canonical_mask(causal, *check_window(window))  # one spelling per mask, as torch and the core
     return Config(family, scale, causal, (left, right), resolve_backend(backend), kernel_rules=backend != "reference")
 
