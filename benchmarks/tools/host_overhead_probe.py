@@ -49,7 +49,7 @@ o5, lse5 = q5.clone(), torch.empty(1, 8, 128, device="cuda")
 steps.update({
     "torch.empty out+lse": lambda: (torch.empty_like(q), torch.empty(1, 8, 128, device="cuda")),
     "torch.full lse -inf": lambda: torch.full((1, 8, 128), float("-inf"), device="cuda"),
-    "ops._plan (cached)": lambda: ops._checked("fwd", "fa4", q, k, v, False, -1, -1),
+    "ops._checked (cached)": lambda: ops._checked("fwd", "fa4", q, k, v, False, -1, -1),
     "xt.attention d128 (eager)": lambda: xt.attention(q, k, v, softmax_scale=0.1),
     "torch.ops.xattn.fwd d128": lambda: torch.ops.xattn.fwd(q, k, v, "fa4", 0.1, False, -1, -1, None, None, 0, 0),
     "ffpa_fwd full d512": lambda: xc.ffpa_fwd(q5, q5, q5, o5, lse5, softmax_scale=0.1),

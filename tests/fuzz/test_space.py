@@ -74,7 +74,9 @@ def test_every_configuration_is_in_the_pool_and_within_limits(drawn):
             assert 1 <= c.seqlen_q <= lim.max_n and 1 <= c.seqlen_k <= lim.max_n and c.scale > 0
             if c.varlen:
                 assert len(c.lens_q) == len(c.lens_k) == c.batch <= lim.max_docs
-                assert (c.seqlen_q, c.seqlen_k) == (max(c.lens_q), max(c.lens_k))
+                assert c.seqlen_q >= max(c.lens_q) and c.seqlen_k >= max(c.lens_k)  # max_seqlen: a bound
+                assert (c.total_q, c.total_k) == (sum(c.lens_q) + c.extra_q, sum(c.lens_k) + c.extra_k)
+                assert not c.opt("same_cu") or list(c.lens_q) == list(c.lens_k)
             else:
                 assert 1 <= c.batch <= lim.max_batch and c.lens_q == c.lens_k == ()
 
@@ -122,3 +124,31 @@ def test_prefill_script_lists_the_pool():
     with_pool = set(prefill.specs(fuzz=True))
     assert set(launcher_pool()) <= with_pool
     assert with_pool - set(prefill.specs()) == set(launcher_pool()) - set(prefill.specs())
+
+
+def test_packed_draws_cover_the_whole_varlen_contract(drawn):
+    """Issue #42: the packed draws reach what the contract allows beyond the routes' own cases, in both front
+    ends that choose routes: rows after cu[-1] on either side, Tq != Tk with one cu_seqlens object,
+    max_seqlen_q above and below max_seqlen_k, max_seqlen looser than the longest document, empty and
+    1-token documents; and the configurations with a choice of routes run every one of them."""
+    from .harness import routes_of
+
+    for front_end in ("torch", "jax"):
+        packed = [c for c in drawn[front_end] if c.varlen]
+        seen = {
+            "trailing rows q": any(c.extra_q for c in packed),
+            "trailing rows k": any(c.extra_k for c in packed),
+            "one cu_seqlens, Tq != Tk": any(c.opt("same_cu") and c.total_q != c.total_k for c in packed),
+            "max_seqlen_q > max_seqlen_k": any(c.seqlen_q > c.seqlen_k for c in packed),
+            "max_seqlen_q < max_seqlen_k": any(c.seqlen_q < c.seqlen_k for c in packed),
+            "loose max_seqlen": any(c.seqlen_q > max(c.lens_q) for c in packed),
+            "empty document": any(0 in c.lens_q for c in packed),
+            "1-token document": any(1 in c.lens_q for c in packed),
+            "two cu_seqlens objects": any(not c.opt("same_cu") for c in packed),
+        }
+        assert all(seen.values()), (front_end, [k for k, v in seen.items() if not v])
+        ffpa = [c for c in packed if c.entry.family == "ffpa"]
+        ran = {r for c in ffpa for r in routes_of(c)}
+        want = {"fused", "gemm-segments"} | ({"gemm-dense", "gemm-groups", "gemm-groups+fused"} if front_end == "torch"
+                                            else {"gemm-padded", "gemm-segments|fused"})
+        assert want <= ran, (front_end, want - ran)

@@ -87,10 +87,10 @@ def test_failed_compile_then_retry_forward_and_backward(compiler):
     compiled = len(compiler.compiled)
     (q, k, v), kw = _fa4(b=1, nq=16, nk=20)("cpu")
     step = lambda: check_result(xt.attention_with_lse, (q, k, v), kw)  # noqa: E731
-    from xattn.torch.ops import _plan
+    from xattn.torch.ops import _checked
 
-    fwd_spec = _plan("fwd", "fa4", q, k, v, True, -1, -1)[0]
-    bwd_spec = _plan("bwd", "fa4", q, k, v, True, -1, -1)[0]
+    fwd_spec = _checked("fwd", "fa4", q, k, v, True, -1, -1)[0]
+    bwd_spec = _checked("bwd", "fa4", q, k, v, True, -1, -1)[0]
     compiler.fail.append(fwd_spec)
     with pytest.raises(RuntimeError, match="compile failed"):
         step()
