@@ -17,6 +17,7 @@ from xattn.torch import ffpa_attention as fa  # noqa: E402
 from xattn.torch.hf import support  # noqa: E402
 
 from . import decode  # noqa: E402
+from .test_decode_graphs import RUN_TOL, STEP_TOL  # noqa: E402  (what they rest on is measured there)
 
 pytestmark = pytest.mark.gpu
 
@@ -56,15 +57,27 @@ def test_graph_decode_vs_fp32():
     assert torch.equal(tokens[clear], truth.argmax(-1)[clear])
 
 
-def test_graph_decode_matches_eager_decode():
-    """The compiled static-cache decode and the eager dynamic-cache decode give the same tokens, with logits
-    as close as two bf16 runs of the same kernels get (the graphs fuse the model's other ops differently)."""
+def test_graph_and_eager_decode_vs_fp32():
+    """The compiled static-cache decode and the eager dynamic-cache decode, each judged by its logits against
+    fp32 "sdpa" of the same (bf16-rounded) weights, teacher-forced on the tokens that path generated: within the
+    CPU test's bf16 tolerances, or twice what bf16 "sdpa" teacher-forced on them makes, if more. Not by token
+    equality: the graphs fuse the model's other ops differently, a near tie may flip a greedy token, and the two
+    sequences then part."""
     ids = decode.prompt("cuda")
     net = decode.model("ffpa", "cuda")
-    eager, eager_logits = decode.generate(net, ids)
-    graphs, graph_logits = decode.generate(net, ids, graphs=True)
-    truth = decode.teacher_forced_logits(decode.model("sdpa", "cuda", torch.float32), ids, eager)
-    noise = rel_err(decode.teacher_forced_logits(decode.model("sdpa", "cuda"), ids, eager), truth)
-    same = int((graphs == eager).long().cumprod(0).sum())  # leading tokens equal
-    assert same >= 1
-    assert rel_err(graph_logits[:same], eager_logits[:same]) <= 1.5 * noise + 1e-3
+    truth = decode.model("sdpa", "cuda", torch.float32)
+    truth.load_state_dict(net.state_dict())
+    bf16_sdpa = decode.model("sdpa", "cuda")
+    bf16_sdpa.load_state_dict(net.state_dict())
+
+    def step_err(logits, want):  # per step, max |logits - want| / max |want|
+        return (logits - want).abs().amax(-1) / want.abs().amax(-1)
+
+    for name, graphs in (("eager", False), ("compiled", True)):
+        tokens, logits = decode.generate(net, ids, graphs=graphs)
+        want = decode.teacher_forced_logits(truth, ids, tokens)
+        noise = decode.teacher_forced_logits(bf16_sdpa, ids, tokens)
+        err, noise_err = step_err(logits, want), step_err(noise, want)
+        assert err.max() <= max(STEP_TOL, 2 * noise_err.max()), (name, err.tolist(), noise_err.tolist())
+        assert rel_err(logits, want) <= max(RUN_TOL, 2 * rel_err(noise, want)), (name, rel_err(logits, want))
+    assert not fa._FALLBACK_WARNED, fa._FALLBACK_WARNED
