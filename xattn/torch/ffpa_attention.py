@@ -12,7 +12,7 @@ parameter names, order, defaults, layouts and returns. The code lives in :mod:`x
   (``_warn_once``, ``_FALLBACK_WARNED``, ``logger``). ``_is_block_mask`` marks the FlexAttention layers.
 * :func:`ffpa_mask` (``ALL_MASK_ATTENTION_FUNCTIONS["ffpa"]``, :mod:`~xattn.torch.hf.mask_factory`): HF's
   ``sdpa_mask`` arguments; returns ``torch.Tensor | BlockMask | None`` (never None: a
-  :class:`~xattn.torch.hf.masks.PlannedMask` carrying the launch plan, or HF's own mask).
+  :class:`~xattn.torch.hf.kernel_mask.PlannedMask` carrying the launch plan, or HF's own mask).
   ``config.ffpa_sliding_attn_backend`` (NeMo's knob; else ``XATTN_SLIDING_BACKEND``) picks "fa4"
   (default), "flex" or "sdpa" for the text model's non-causal layers.
 * :func:`register_ffpa_attention` / :func:`setup_ffpa_backend` (:mod:`~xattn.torch.hf.registry`): a

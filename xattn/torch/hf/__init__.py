@@ -7,7 +7,8 @@ One job per module:
 * ``support``: whether a call can run on the kernels (the one check behind routing and its warnings);
 * ``fallback``: the exact fallbacks (HF's SDPA, the model's eager, FlexAttention) and their warning;
 * ``mask_factory``: :func:`ffpa_mask`, HF's ``sdpa_mask`` arguments in, a planned mask out;
-* ``masks``: HF masks in kernel terms (``Pattern``, ``KernelMask``, ``PlannedMask``, the plans);
+* ``masks``: HF masks in kernel terms (``Pattern``, ``describe``, ``plan_hf_mask``: a mask's plan);
+* ``kernel_mask``: the plan types (``KernelMask``, ``PlannedMask``) and the SDPA masks they stand for;
 * ``context_parallel``: layers on sequence shards (ring attention) while a CP group is active;
 * ``registry``: :func:`register_ffpa_attention`, :func:`setup_ffpa_backend`;
 * ``sdpa_layout``: low-level fwd/bwd on SDPA-layout tensors (what NeMo's ring attention builds on).

@@ -43,7 +43,7 @@ def is_windowed(window) -> bool:
 
 def fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs) -> tuple[str, str] | None:
     """``(reason, message)`` when the kernels cannot run this call exactly (``plan``: its
-    :class:`~xattn.torch.hf.masks.KernelMask`; ``kwargs``: the layer's extra arguments), else None."""
+    :class:`~xattn.torch.hf.kernel_mask.KernelMask`; ``kwargs``: the layer's extra arguments), else None."""
     if query.dtype not in _DTYPES:
         return "dtype", f"{query.dtype} is not float16/bfloat16"
     if softcap is not None:
