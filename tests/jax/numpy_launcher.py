@@ -67,12 +67,13 @@ def _bwd(spec, dout, q, k, v, out, lse, dq, dk, dv, scale):
 def _varlen(spec, named, scale):
     """Run the dense math per segment on [1, len, H, D] slices (bottom-right per segment)."""
     cu_q, cu_k = named["cu_seqlens_q"], named["cu_seqlens_k"]
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])  # as the kernels: no row past cu[-1] is written
     if spec.direction == "fwd":
-        named["out"][...] = 0
-        named["lse"][...] = -np.inf
+        named["out"][:tq] = 0
+        named["lse"][:, :tq] = -np.inf
     else:
-        for n in ("dq", "dk", "dv"):
-            named[n][...] = 0
+        for n, rows in (("dq", tq), ("dk", tk), ("dv", tk)):
+            named[n][:rows] = 0
     for s in range(len(cu_q) - 1):
         qs, qe, ks, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
         if qe == qs or ke == ks:

@@ -53,8 +53,13 @@ def _stub_fwd():
         else:
             o, l_ = ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=causal,
                                 window=window_size)
-        out.copy_(o)
-        lse.copy_(l_)
+        if cu_seqlens_q is None:
+            out.copy_(o)
+            lse.copy_(l_)
+        else:  # as the kernels: no row past cu[-1] is written
+            rows = int(cu_seqlens_q[-1])
+            out[:rows].copy_(o[:rows])
+            lse[:, :rows].copy_(l_[:, :rows])
         CALLS.append(("fwd", spec.family))
     return run
 
@@ -77,8 +82,10 @@ def _stub_bwd():
                     grads[0][a:b] += part[0][0]
                     grads[1][c:d] += part[1][0]
                     grads[2][c:d] += part[2][0]
-        for dst, g in zip((dq, dk, dv), grads):
-            dst.copy_(g)
+        rows_q = dq.shape[0] if cu_seqlens_q is None else int(cu_seqlens_q[-1])  # no row past cu[-1] written
+        rows_k = dk.shape[0] if cu_seqlens_k is None else int(cu_seqlens_k[-1])
+        for dst, g, rows in zip((dq, dk, dv), grads, (rows_q, rows_k, rows_k)):
+            dst[:rows].copy_(g[:rows])
         CALLS.append(("bwd", plan[0].family))
     return run
 

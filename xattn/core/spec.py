@@ -102,9 +102,12 @@ class KernelSpec:
         """Outputs the caller must pre-fill before a launch, ``{name: value}`` (others: any content).
 
         FFPA skips fully masked tiles and empty segments: its causal/varlen forward needs
-        ``out = 0, lse = -inf``, and its backward ``dq = dk = dv = 0``. FA4 writes everything.
+        ``out = 0, lse = -inf``, and its backward ``dq = dk = dv = 0``. FA4 writes every row of a dense
+        call, but in a varlen call no row after ``cu_seqlens[-1]`` (rows the varlen contract allows: static-shape
+        packing pads at the end): its varlen forward needs ``out = 0, lse = -inf`` and its varlen backward
+        ``dq = dk = dv = 0`` too (found by the contract fuzz, issue #42).
         """
-        if self.family != "ffpa":
+        if self.family != "ffpa" and not self.varlen:
             return {}
         if self.direction == "bwd":
             return {"dq": 0.0, "dk": 0.0, "dv": 0.0}
