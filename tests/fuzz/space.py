@@ -14,7 +14,8 @@ front end's own choices (entry point, stream, mask spelling, jit).
 Seeds: the base seed is ``XATTN_FUZZ_SEED`` (default :data:`DEFAULT_SEED`); configuration ``i`` of a
 front end gets ``config_seed(base, front_end, i)``, and ``draw(front_end, seed)`` rebuilds it from
 that seed alone, so ``XATTN_FUZZ_ONLY=<seed>[,<seed>...]`` reruns one failing configuration.
-``XATTN_FUZZ_N`` configurations per front end (default 1000). The drop-in front ends (``hf``, ``fa4-doc``,
+``XATTN_FUZZ_N`` configurations per front end (default 1000); ``XATTN_FUZZ_START=k`` runs configurations k..N-1 only
+(a run cut short by a device call's time limit resumes there). The drop-in front ends (``hf``, ``fa4-doc``,
 ``jax-nn``) draw their argument forms in ``forms.py`` from the same seeds.
 
 Imports neither torch nor jax (the prefill script imports it).
@@ -431,7 +432,8 @@ def configs(front_end: str, n: int | None = None, base: int | None = None, only=
     base = env_base if base is None else base
     n = env_n if n is None else n
     only = env_only if only is None else only
-    seeds = list(only) if only else [config_seed(base, front_end, i) for i in range(n)]
+    start = int(os.environ.get("XATTN_FUZZ_START", 0))  # resume a run cut short: configurations start..n-1
+    seeds = list(only) if only else [config_seed(base, front_end, i) for i in range(start, n)]
     if front_end in FORM_FRONT_ENDS:
         from .forms import draw_form
 
