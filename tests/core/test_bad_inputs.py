@@ -57,8 +57,8 @@ def _varlen(cu_q=(0, 4, 10), cu_k=(0, 6, 14), max_q=6, max_k=8, tq=None, tk=None
     def make(device):
         nq, nk = cu_q[-1] if tq is None else tq, cu_k[-1] if tk is None else tk
         bufs = dict(q=randn(nq, 8, 128, device=device), k=randn(nk, 2, 128, device=device, seed=1),
-                    v=randn(nk, 2, 128, device=device, seed=2), out=torch.empty(nq, 8, 128, dtype=BF16, device=device),
-                    lse=torch.empty(8, nq, device=device))
+                    v=randn(nk, 2, 128, device=device, seed=2), out=torch.zeros(nq, 8, 128, dtype=BF16, device=device),
+                    lse=torch.full((8, nq), float("-inf"), device=device))  # FA4 varlen's documented pre-fill
         cu = dict(cu_seqlens_q=torch.tensor(cu_q, dtype=cu_dtype, device=device),
                   cu_seqlens_k=torch.tensor(cu_k, dtype=cu_dtype, device=device))
         return "fa4_fwd", bufs, {"softmax_scale": 0.05, "causal": True, **cu, "max_seqlen_q": max_q,
