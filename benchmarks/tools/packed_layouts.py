@@ -2,7 +2,7 @@
 dense batches (``gemm_backward_varlen``) vs row blocks across documents (``gemm_backward_segments``), and
 for documents of one length views of one dense batch (``gemm_backward_equal_documents``); the backward
 alone, with the host time of one call. The rule of
-:func:`xattn.core.gemm_bwd_plan.packed_layout` comes from these rows.
+:func:`xattn.core.routes.packed_layout` comes from these rows.
 
     python benchmarks/tools/packed_layouts.py [--docs 2048,4096,8192,16384,mix16k,mix64k] [--out F.json]
 """
@@ -23,7 +23,7 @@ from benchmarks.packed import D, DEFAULT_DOCS, HKV, HQ, causal_flops, documents 
 
 def main(argv=None):
     import xattn.torch.ops as ops
-    from xattn.core import gemm_bwd_plan
+    from xattn.core import routes
     from xattn.torch.gemm_bwd import gemm_backward_equal_documents, gemm_backward_varlen
     from xattn.torch.gemm_bwd_segments import gemm_backward_segments
 
@@ -46,13 +46,13 @@ def main(argv=None):
             "segments": lambda: gemm_backward_segments(dout, q, k, v, out, lse, lens, softmax_scale=scale,
                                                        causal=True),
         }
-        equal = gemm_bwd_plan.equal_documents(lens, lens)
+        equal = routes.equal_documents(lens, lens)
         if equal is not None:  # the "dense" layout: views of one dense batch
             runs["dense"] = lambda: gemm_backward_equal_documents(dout, q, k, v, out, lse, *equal, softmax_scale=scale,
                                                                   causal=True)
         bwd_flops = causal_flops(lens) / 3.5 * 2.5
         row = dict(docs=spec, num_docs=len(lens), total_tokens=t, heads_q=HQ, heads_kv=HKV, head_dim=D,
-                   causal=True, dtype="bfloat16", rule=gemm_bwd_plan.packed_layout(lens, lens, HQ),
+                   causal=True, dtype="bfloat16", rule=routes.packed_layout(lens, lens, HQ),
                    device=torch.cuda.get_device_name())
         grads = {}
         for name, run in runs.items():
