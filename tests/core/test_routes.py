@@ -37,7 +37,7 @@ def test_auto_follows_the_measured_table():
     fa4 = routes.backward_route(dense(1 << 16, family="fa4", d=128))
     assert fa4.name == "fused" and "fa4 keeps its own backward" in fa4.reason
     # the reasons of the routes not taken are there too (as TransformerEngine's backend choice gives them)
-    assert dict(fa4.rejected)["gemm"].startswith("the GEMM backward covers FFPA")
+    assert dict(fa4.rejected())["gemm"].startswith("the GEMM backward covers FFPA")
 
 
 @pytest.mark.parametrize("problem, name", [

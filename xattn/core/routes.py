@@ -3,7 +3,7 @@
 Both front ends describe a call (:class:`BwdProblem`), ask :func:`backward_route` (or
 :func:`forward_route`) and dispatch on the returned name; nothing else decides a route. A
 :class:`Route` carries its name, the reason it was chosen and, like TransformerEngine's
-``get_attention_backend``, why every other route was not.
+``get_attention_backend``, why every other route was not (:meth:`Route.rejected`).
 
 Forward: ``fused`` (the family's kernel, dense or varlen). Backward:
 
@@ -75,12 +75,20 @@ _FORCED: list = []  # the test hook's stack (forced())
 
 @dataclass(frozen=True)
 class Route:
-    """``name`` (one of :data:`BACKWARD_ROUTES` / :data:`FORWARD_ROUTES`), ``reason`` (one line a user can
-    read in a debug log) and ``rejected``: ``((name, why), ...)`` for the routes not taken."""
+    """``name`` (one of :data:`BACKWARD_ROUTES` / :data:`FORWARD_ROUTES`) and ``reason`` (one line a user can
+    read in a debug log); :meth:`rejected` says why each other route was not taken (computed when asked: a
+    backward's hot path pays only for the choice)."""
 
     name: str
     reason: str
-    rejected: tuple = field(default=(), compare=False)
+    problem: "BwdProblem | None" = field(default=None, compare=False, repr=False)
+
+    def rejected(self) -> tuple:
+        """``((name, why), ...)`` for every backward route not taken."""
+        if self.problem is None:
+            return ()
+        return tuple((n, why_not(n, self.problem) or "not the measured choice")
+                     for n in BACKWARD_ROUTES if n != self.name)
 
 
 @dataclass(frozen=True)
@@ -204,11 +212,6 @@ def serving_routes(p: BwdProblem) -> list[str]:
     return [name for name in BACKWARD_ROUTES if why_not(name, p) is None]
 
 
-def _rejected(p: BwdProblem, chosen: str, why: dict) -> tuple:
-    return tuple((n, why.get(n) or why_not(n, p) or "not the measured choice")
-                 for n in BACKWARD_ROUTES if n != chosen)
-
-
 def _gemm_choice(p: BwdProblem, every_group: bool) -> tuple[str, str]:
     """The GEMM route of a covered problem (as ``auto`` picks it once the table says GEMM): ``(name, reason)``."""
     if p.kind == "dense":
@@ -243,23 +246,22 @@ def backward_route(p: BwdProblem, request: str | None = None) -> Route:
         why = why_not(name, p)
         if why:
             raise ValueError(f"XATTN_BWD_ROUTE={request}: {why}")
-        return Route(name, f"forced by XATTN_BWD_ROUTE={request}", _rejected(p, name, {}))
+        return Route(name, f"forced by XATTN_BWD_ROUTE={request}", p)
     uncovered = _uncovered(p)
     if request == "gemm":
         if uncovered or (p.kind == "packed" and p.capturing):
             raise ValueError(f"XATTN_BWD_ROUTE=gemm: {uncovered or why_not('gemm-groups', p)}")
         name, reason = _gemm_choice(p, every_group=True)
-        return Route(name, f"forced by XATTN_BWD_ROUTE=gemm: {reason}", _rejected(p, name, {}))
+        return Route(name, f"forced by XATTN_BWD_ROUTE=gemm: {reason}", p)
     why = _auto_refusal(p, uncovered)
     if why:
-        return Route("fused", why, _rejected(p, "fused", {}))
+        return Route("fused", why, p)
     name, reason = _gemm_choice(p, every_group=False)
     if p.kind == "traced" and name == "gemm-padded" and not PADDED_BY_DEFAULT:
-        return Route("fused", "the padded GEMM route is off by default (PADDED_BY_DEFAULT)", _rejected(p, "fused", {}))
+        return Route("fused", "the padded GEMM route is off by default (PADDED_BY_DEFAULT)", p)
     if p.kind == "traced" and name == "gemm-segments|fused" and not SEGMENTS_BY_DEFAULT:
-        return Route("fused", "the segmented GEMM route is off by default (SEGMENTS_BY_DEFAULT)",
-                     _rejected(p, "fused", {}))
-    return Route(name, reason, _rejected(p, name, {}))
+        return Route("fused", "the segmented GEMM route is off by default (SEGMENTS_BY_DEFAULT)", p)
+    return Route(name, reason, p)
 
 
 def _auto_refusal(p: BwdProblem, uncovered: str | None) -> str | None:
