@@ -25,7 +25,7 @@ import torch
 from xattn.core.spec import family_for
 
 from .. import cp_group
-from ..attention import attention
+from ..ops import attention_op
 from . import fallback, support
 from .call_plan import layer_window, padding_layout, padding_plan, padding_sdpa_mask, plan_call
 from .context_parallel import run_sharded
@@ -67,13 +67,30 @@ def _check_inputs(query, key, value, scaling) -> None:
         raise ValueError(f"scaling: expected a finite float, got {scaling!r}")
 
 
+def attention(q, k, v, *, family: str, softmax_scale: float, causal: bool, window_size, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """The kernels' op (:func:`xattn.torch.ops.attention_op`) on ``[B, N, H, D]`` / packed ``[T, H, D]`` views;
+    returns out. The call's scale and window were checked once, before this (``scaling`` by
+    :func:`_check_inputs` and :func:`support.fallback_reason`, a positive finite float; the window is the plan's,
+    the kernels' canonical form), so the public entry's checks
+    (:func:`xattn.torch.attention.attention_with_lse`) are not run a second time."""
+    left, right = window_size
+    return attention_op(q, k, v, family, softmax_scale, causal, -1 if left is None else left,
+                        -1 if right is None else right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)[0]
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit last stride (the kernels read rows with unit stride), copied only where it has not."""
+    return t.contiguous() if t.stride(-1) != 1 and t.shape[-1] > 1 else t
+
+
 def _run_kernels(plan: KernelMask, query, key, value, scaling):
     """The kernels on ``[B, N, H, D]`` views; returns ``[B, Nq, Hq, Dv]`` contiguous."""
     if plan.kv_start or plan.kv_stop is not None:
         key, value = key[:, :, plan.kv_start:plan.kv_stop], value[:, :, plan.kv_start:plan.kv_stop]
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    q, k, v = (_unit_stride(x.transpose(1, 2)) for x in (query, key, value))
     windowed = support.is_windowed(plan.window)
-    kw = dict(softmax_scale=scaling, causal=plan.causal, window_size=plan.window if windowed else (None, None),
+    kw = dict(softmax_scale=float(scaling), causal=plan.causal, window_size=plan.window if windowed else (None, None),
               family=family_for(query.shape[-1], value.shape[-1], windowed))
     if not plan.varlen:
         return attention(q, k, v, **kw)
