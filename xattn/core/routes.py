@@ -212,6 +212,12 @@ def serving_routes(p: BwdProblem) -> list[str]:
     return [name for name in BACKWARD_ROUTES if why_not(name, p) is None]
 
 
+def _padding_fits(p: BwdProblem) -> bool:
+    """Traced: whether the documents padded to ``max_seqlen`` cost at most :data:`PADDED_MAX_FILL` x the tokens."""
+    return (p.slots * p.max_seqlen_q <= PADDED_MAX_FILL * p.total_q
+            and p.slots * p.max_seqlen_k <= PADDED_MAX_FILL * p.total_k)
+
+
 def _gemm_choice(p: BwdProblem, every_group: bool) -> tuple[str, str]:
     """The GEMM route of a covered problem (as ``auto`` picks it once the table says GEMM): ``(name, reason)``."""
     if p.kind == "dense":
@@ -226,9 +232,7 @@ def _gemm_choice(p: BwdProblem, every_group: bool) -> tuple[str, str]:
             return "gemm-groups", "documents grouped by length into dense batches, every group on the GEMMs"
         return "gemm-groups+fused", ("documents grouped by length into dense batches; groups under the table's "
                                      "key count on the fused backward")
-    fits = (p.slots * p.max_seqlen_q <= PADDED_MAX_FILL * p.total_q
-            and p.slots * p.max_seqlen_k <= PADDED_MAX_FILL * p.total_k)
-    if fits or not p.same_segments:
+    if _padding_fits(p) or not p.same_segments:
         return "gemm-padded", "documents about max_seqlen long: padded into one dense batch"
     if every_group:
         return "gemm-segments", "one GEMM per row block over every document"
@@ -284,9 +288,7 @@ def _auto_refusal(p: BwdProblem, uncovered: str | None) -> str | None:
         return (f"{what} {keys} < {least}: FFPA's fused backward is faster there (GQA group {p.g}, measured on "
                 "the H200)")
     if p.kind == "traced":
-        fits = (p.slots * p.max_seqlen_q <= PADDED_MAX_FILL * p.total_q
-                and p.slots * p.max_seqlen_k <= PADDED_MAX_FILL * p.total_k)
-        if not (fits or p.same_segments):
+        if not (_padding_fits(p) or p.same_segments):
             return (f"{p.slots} documents padded to max_seqlen ({p.max_seqlen_q}, {p.max_seqlen_k}) would cost more "
                     f"than {PADDED_MAX_FILL}x the {p.total_q} / {p.total_k} tokens (lengths are traced), and the "
                     "segmented route needs cu_seqlens_q is cu_seqlens_k")

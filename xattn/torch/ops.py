@@ -26,8 +26,7 @@ from torch import Tensor
 import xattn.core as xc
 from xattn.core.api import launch_bwd, launch_fwd
 from xattn.core.checks import Memo, Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
-from xattn.core import gemm_bwd_plan as xc_plans
-from xattn.core import routes
+from xattn.core import gemm_bwd_plan, routes
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 
@@ -288,7 +287,7 @@ def _gemm_bwd(checked, route: str, dout, q, k, v, out, lse, scale, lengths=None,
         return gemm_backward_segments(dout, q, k, v, out, lse, lengths[0], softmax_scale=scale, causal=causal)
     if route not in ("gemm-groups", "gemm-groups+fused"):
         raise AssertionError(f"route {route!r} has no torch driver")  # backward_route never returns one
-    groups = xc_plans.varlen_groups(*lengths, q.shape[1])
+    groups = gemm_bwd_plan.varlen_groups(*lengths, q.shape[1])
     short = ()
     if route == "gemm-groups+fused":
         groups, short = routes.split_short_groups(groups, q.shape[1] // k.shape[1])
