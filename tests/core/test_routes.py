@@ -111,7 +111,7 @@ def test_serving_routes(problem, names):
 def test_a_forward_never_reads_the_backward_knobs(monkeypatch):
     monkeypatch.setenv("XATTN_BWD_ROUTE", "fastest")
     monkeypatch.setenv("XATTN_GEMM_BWD_BUDGET_MIB", "lots")
-    assert routes.forward_route("ffpa").name == "fused"
+    assert routes.forward_route(routes.FwdProblem("ffpa", 1, 4, 8, 2048, 2048)).name == "fused"
     assert routes.requested() == "fastest" and gemm_bwd_plan.budget_setting() == "lots"  # read raw, unvalidated
 
 

@@ -104,8 +104,20 @@ def install_for_process():
         setattr(ops, name, value())
 
 
+def _stub_combine():
+    def run(spec, out_partial, lse_partial, out, lse, stream=None):
+        """The split-KV merge in fp64 (the combine kernel's contract: xattn.core.api.launch_combine)."""
+        lse_p = lse_partial.double()  # [P, B, Nq, Hq]
+        total = torch.logsumexp(lse_p, dim=0)
+        weight = torch.where(torch.isneginf(total), 0.0, torch.exp(lse_p - total)).nan_to_num(0.0)
+        out.copy_((weight[..., None] * out_partial.double()).sum(0))
+        lse.copy_(total)
+        CALLS.append(("combine", spec.family))
+    return run
+
+
 _REPLACED = {
-    "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd()},
+    "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd(), "combine": _stub_combine()},
     "validate": lambda: validate_any_head_dim,
     "check_buffers": lambda: check_shapes_only,
     "_CHECKED": Memo,

@@ -39,10 +39,11 @@ from .cache import get_launcher
 from .checks import (Meta, Problem, as_tensor, check_attention, check_layout_sizes, check_scale, check_window,
                      check_workspace, quick_check, validate)
 from .spec import KernelSpec
+from .split_kv import MAX_PARTIALS, CombineSpec
 from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
 
-__all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd"]
+__all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd", "launch_combine"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
@@ -179,6 +180,25 @@ def launch_bwd(checked, dout, q, k, v, out, lse, dq, dk, dv, *, workspace, softm
         args += [cu_seqlens_q, cu_seqlens_k]
     args += [dq, dk, dv, *workspace]
     _launch(get_launcher(spec), problem, args, softmax_scale, stream, diagnose)
+
+
+def launch_combine(spec: CombineSpec, out_partial, lse_partial, out, lse, *, stream: int | None = None) -> None:
+    """Enqueue the split-KV merge (:mod:`xattn.core.split_kv`): reads ``out_partial [P, B, Nq, Hq, Dv]``
+    (``spec.dtype``) and ``lse_partial [P, B, Nq, Hq]`` (fp32, Nq stride 1), writes every element of
+    ``out [B, Nq, Hq, Dv]`` and ``lse [B, Nq, Hq]`` (fp32, Nq stride 1; views of ``[B, Hq, Nq]``). Strided
+    views are read as they are; dtypes, shapes and strides are checked in C by the launcher."""
+    if stream is not None:
+        _check_stream(stream)
+    parts = int(out_partial.shape[0])
+    if not 1 <= parts <= MAX_PARTIALS:
+        raise ValueError(f"out_partial: 1-{MAX_PARTIALS} partial slots, got {parts}")
+    function = get_launcher(spec).function
+    if stream is None:
+        function(out_partial, lse_partial, out, lse, 0.0)
+        return
+    views = [as_tensor(a, "buffer") for a in (out_partial, lse_partial, out, lse)]
+    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[2].device.index), stream):
+        function(*views, 0.0)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

@@ -5,7 +5,11 @@ Both front ends describe a call (:class:`BwdProblem`), ask :func:`backward_route
 :class:`Route` carries its name, the reason it was chosen and, like TransformerEngine's
 ``get_attention_backend``, why every other route was not (:meth:`Route.rejected`).
 
-Forward: ``fused`` (the family's kernel, dense or varlen). Backward:
+Forward (:func:`forward_route`, :class:`FwdProblem`): ``fused`` (the family's kernel, dense or varlen, every
+problem) or ``split-kv`` (decoding: the keys split over CTAs and merged by lse, :mod:`xattn.core.split_kv`;
+dense queries, at most :data:`~xattn.core.split_kv.MAX_DECODE_QUERIES` per sequence, no window).
+``XATTN_FWD_ROUTE`` (``auto``, ``fused``, ``split-kv``; test hook :func:`forced_forward`) and the call's
+``num_splits`` (FlashAttention's: 0 auto, 1 off, n > 1 that many splits) choose it. Backward:
 
 =======================  ==============================================================  ==========================
 name                     what runs                                                        serves
@@ -42,16 +46,19 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from . import gemm_bwd_plan
+from . import gemm_bwd_plan, split_kv
+from .split_kv import SplitPlan
 from .spec import KernelSpec
 from .workspace import bwd_workspace_shapes
 
-__all__ = ["FORWARD_ROUTES", "BACKWARD_ROUTES", "REQUESTS", "Route", "BwdProblem", "requested", "forced",
-           "forward_route", "backward_route", "serving_routes", "why_not", "may_take_gemm", "min_keys_for",
+__all__ = ["FORWARD_ROUTES", "BACKWARD_ROUTES", "REQUESTS", "Route", "BwdProblem", "FwdProblem", "requested",
+           "forced", "forced_forward", "requested_forward", "forward_route", "why_not_forward", "backward_route",
+           "serving_routes", "why_not", "may_take_gemm", "min_keys_for",
            "MIN_KEYS_BY_GROUP", "route_table", "packed_layout", "equal_documents", "split_short_groups",
            "varlen_workspace_bytes", "segments_take_gemms", "PADDED_MAX_FILL"]
 
-FORWARD_ROUTES = ("fused",)
+FORWARD_ROUTES = ("fused", "split-kv")
+FWD_REQUESTS = ("auto",) + FORWARD_ROUTES
 BACKWARD_ROUTES = ("fused", "gemm", "gemm-dense", "gemm-segments", "gemm-groups", "gemm-groups+fused",
                    "gemm-padded", "gemm-segments|fused")
 REQUESTS = ("auto", "ffpa", "gemm") + BACKWARD_ROUTES
@@ -71,6 +78,7 @@ PADDED_BY_DEFAULT = True
 SEGMENTS_BY_DEFAULT = True
 
 _FORCED: list = []  # the test hook's stack (forced())
+_FORCED_FWD: list = []  # forced_forward()'s
 
 
 @dataclass(frozen=True)
@@ -81,12 +89,16 @@ class Route:
 
     name: str
     reason: str
-    problem: "BwdProblem | None" = field(default=None, compare=False, repr=False)
+    problem: "BwdProblem | FwdProblem | None" = field(default=None, compare=False, repr=False)
+    plan: "SplitPlan | None" = field(default=None, compare=False)  # split-kv: how it splits
 
     def rejected(self) -> tuple:
-        """``((name, why), ...)`` for every backward route not taken."""
+        """``((name, why), ...)`` for every route of the same pass not taken."""
         if self.problem is None:
             return ()
+        if isinstance(self.problem, FwdProblem):
+            return tuple((n, why_not_forward(n, self.problem) or "not the rule's choice")
+                         for n in FORWARD_ROUTES if n != self.name)
         return tuple((n, why_not(n, self.problem) or "not the measured choice")
                      for n in BACKWARD_ROUTES if n != self.name)
 
@@ -149,9 +161,90 @@ def _check_request(name: str) -> str:
     return name
 
 
-def forward_route(family: str) -> Route:
-    """The forward of one call: the family's fused kernel (the only forward route so far)."""
-    return Route("fused", f"{family}'s forward kernel")
+@dataclass(frozen=True)
+class FwdProblem:
+    """What a forward route decision reads. Dense queries ``[B, Nq, Hq, ..]`` on ``seqlen_k`` keys per
+    sequence (``lengths``: per-sequence valid keys when they differ, host ints; ``None`` with ``traced``: device
+    values), or ``varlen``. ``flat_kv``: the front end can view every sequence's keys on one row stride (k and
+    v strides ``(sB, sN, ..)`` with ``sB % sN == 0``, the same ``sB / sN`` for both). ``num_sms``: the GPU's.
+    ``num_splits``: the call's override (0 auto, 1 off, n > 1 that many)."""
+
+    family: str
+    batch: int
+    heads_kv: int
+    g: int
+    seqlen_q: int
+    seqlen_k: int
+    causal: bool = False
+    local: bool = False
+    varlen: bool = False
+    flat_kv: bool = True
+    num_sms: int = 132
+    num_splits: int = 0
+    traced: bool = False
+
+
+def requested_forward() -> str:
+    """The forward route asked for: the innermost :func:`forced_forward`, else ``XATTN_FWD_ROUTE`` (``auto``)."""
+    if _FORCED_FWD:
+        return _FORCED_FWD[-1]
+    return os.environ.get("XATTN_FWD_ROUTE", "auto").strip().lower() or "auto"
+
+
+@contextlib.contextmanager
+def forced_forward(name: str):
+    """Test hook: every forward decided inside the block is asked for ``name`` (as ``XATTN_FWD_ROUTE``)."""
+    if name not in FWD_REQUESTS:
+        raise ValueError(f"XATTN_FWD_ROUTE={name!r}: expected one of {FWD_REQUESTS}")
+    _FORCED_FWD.append(name)
+    try:
+        yield
+    finally:
+        _FORCED_FWD.pop()
+
+
+def why_not_forward(name: str, p: FwdProblem) -> str | None:
+    """Why forward route ``name`` cannot serve ``p`` (``None``: it can)."""
+    if name == "fused":
+        return None
+    if name != "split-kv":
+        raise ValueError(f"unknown forward route {name!r}; expected one of {FORWARD_ROUTES}")
+    if p.varlen:
+        return "split-kv serves dense queries [B, Nq, ..] (packed queries: not yet)"
+    if p.local:
+        return "a sliding window: the fused kernel reads only the window's keys"
+    if p.seqlen_q > split_kv.MAX_DECODE_QUERIES:
+        return f"{p.seqlen_q} queries per sequence: split-kv serves at most {split_kv.MAX_DECODE_QUERIES}"
+    if not p.flat_kv:
+        return "k/v strides put the sequences' keys on no common row stride (k.stride(0) % k.stride(1) != 0)"
+    if p.num_splits == 1:
+        return "num_splits=1 turns it off"
+    if p.seqlen_k == 0 or p.batch == 0 or p.seqlen_q == 0:
+        return "no key or no query: nothing to split"
+    return None
+
+
+def forward_route(p: FwdProblem, request: str | None = None) -> Route:
+    """The forward route of ``p``: ``request`` (default :func:`requested_forward`) forced, else ``split-kv``
+    where it can serve and :func:`~xattn.core.split_kv.decode_splits` (or ``num_splits`` > 1) gives 2 or more
+    splits, else ``fused``. A forced route that cannot serve ``p`` raises ValueError."""
+    request = requested_forward() if request is None else request
+    if request not in FWD_REQUESTS:
+        raise ValueError(f"XATTN_FWD_ROUTE={request!r}: expected one of {FWD_REQUESTS}")
+    why = why_not_forward("split-kv", p)
+    if request == "fused" or (request == "auto" and why):
+        return Route("fused", f"{p.family}'s forward kernel" + (f" (split-kv: {why})" if why else ""), p)
+    if why:
+        raise ValueError(f"XATTN_FWD_ROUTE={request}: {why}")
+    auto = split_kv.decode_splits(p.family, p.batch, p.heads_kv, p.g, p.seqlen_q, p.seqlen_k, p.num_sms)
+    splits = p.num_splits or auto
+    if splits > 1 or request == "split-kv":
+        splits = max(splits, 2)
+        plan = split_kv.plan_splits(splits, p.causal, p.seqlen_q, None if p.traced else p.seqlen_k)
+        how = f"num_splits={p.num_splits}" if p.num_splits else f"{auto} splits fill {p.num_sms} SMs"
+        forced = "forced by XATTN_FWD_ROUTE=split-kv; " if request == "split-kv" else ""
+        return Route("split-kv", f"{forced}{how}", p, plan)
+    return Route("fused", f"{p.family}'s forward kernel (its CTAs already fill the GPU)", p)
 
 
 def min_keys_for(g: int) -> int:

@@ -28,6 +28,7 @@ from numpy import bool_ as np_bool
 
 from xattn.core.checks import check_scale, check_window
 from xattn.core.spec import canonical_mask, family_for
+from xattn.core.split_kv import MAX_PARTIALS
 
 from .ops import attention_op
 
@@ -61,7 +62,7 @@ def _mask_args(causal, window_size):
 def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
                        window_size=(None, None), cu_seqlens_q=None, cu_seqlens_k=None,
                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                       family: str | None = None,
+                       family: str | None = None, num_splits: int = 0,
                        check_inputs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; out is differentiable (lse is not). See the module docstring for layouts and
     determinism (the FA4 backward alerts under ``torch.use_deterministic_algorithms(True)``).
@@ -70,17 +71,23 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
     and k. By default it is trusted, not read (reading would synchronise): bad cu_seqlens are undefined
     behaviour (wrong output or an illegal memory access). ``check_inputs=True`` (``None``: when
     ``XATTN_CHECK_INPUTS=1``) checks it on the tensors' device with one host sync and raises a
-    ``ValueError`` naming the first bad index (:mod:`xattn.torch.varlen_check`)."""
+    ``ValueError`` naming the first bad index (:mod:`xattn.torch.varlen_check`).
+
+    ``num_splits`` (FlashAttention's): 0 lets :func:`xattn.core.routes.forward_route` decide whether a
+    decoding forward (dense q with at most 16 queries per sequence, no window) splits the keys over CTAs
+    (``split-kv``: :mod:`xattn.core.split_kv`), 1 never splits, n > 1 asks for n splits (at most 127)."""
     q, k, v = _input("q", q), _input("k", k), _input("v", v)
     family = family or default_family(q.shape[-1] if q.dim() else 0, v.shape[-1] if v.dim() else 0)
     scale = _scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     causal, left, right = _mask_args(causal, window_size)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
+        raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
     varlen = cu_seqlens_q is not None
     if varlen and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("max_seqlen_q/max_seqlen_k: required with cu_seqlens_q/cu_seqlens_k")
     return attention_op(q, k, v, family, scale, causal, -1 if left is None else left,
                         -1 if right is None else right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0,
-                        max_seqlen_k or 0, check_inputs=check_inputs)
+                        max_seqlen_k or 0, check_inputs=check_inputs, num_splits=num_splits)
 
 
 def attention(q, k, v, **kwargs) -> torch.Tensor:

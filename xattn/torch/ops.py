@@ -24,12 +24,13 @@ import torch
 from torch import Tensor
 
 import xattn.core as xc
-from xattn.core.api import launch_bwd, launch_fwd
+from xattn.core.api import launch_bwd, launch_combine, launch_fwd
 from xattn.core.checks import Memo, Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
-from xattn.core import gemm_bwd_plan, routes
+from xattn.core import gemm_bwd_plan, routes, split_kv
 from xattn.core.determinism import nondeterministic_op
 from xattn.core.workspace import bwd_workspace_shapes
 
+from . import split_kv as torch_split_kv
 from .varlen_check import check_cu_seqlens, checking
 
 __all__ = ["fwd", "bwd", "attention_op"]
@@ -37,7 +38,7 @@ __all__ = ["fwd", "bwd", "attention_op"]
 _log = logging.getLogger("xattn")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # the core's launch entries, by direction (tests swap them for stand-ins that run without a GPU)
-LAUNCH = {"fwd": launch_fwd, "bwd": launch_bwd}
+LAUNCH = {"fwd": launch_fwd, "bwd": launch_bwd, "combine": launch_combine}
 
 
 def _meta(name: str, t) -> Meta:
@@ -118,13 +119,44 @@ def _fwd_setup(q, k, v, family, causal, window_left, window_right, cu_seqlens_q,
     return derived
 
 
+_FWD_ROUTES = Memo()  # (checked, rows, num_splits, request, device) -> (Route, rows)
+_FUSED = routes.Route("fused", "the family's forward kernel (varlen, or more queries than decoding)")
+
+
+def _fwd_route(checked, q, k, v, num_splits: int):
+    """``(route, rows)`` of a forward (:func:`xattn.core.routes.forward_route`); ``rows``: the flat key view's
+    row stride between sequences (:func:`xattn.torch.split_kv.rows_per_seq`)."""
+    spec, problem = checked
+    request = routes.requested_forward()
+    if request == "auto" and num_splits <= 1 and (spec.varlen or problem.seqlen_q > split_kv.MAX_DECODE_QUERIES):
+        return _FUSED, None  # prefill and training: no decision to make
+    rows = None if spec.varlen else torch_split_kv.rows_per_seq(k, v)
+    key = (checked, rows, num_splits, request, q.device)
+    hit = _FWD_ROUTES.get(key)
+    if hit is None:
+        problem_fwd = routes.FwdProblem(
+            spec.family, problem.batch, problem.heads_kv, spec.qhead_per_kvhead, problem.seqlen_q, problem.seqlen_k,
+            causal=spec.causal, local=spec.is_local, varlen=spec.varlen, flat_kv=rows is not None,
+            num_sms=torch_split_kv.num_sms(q.device), num_splits=num_splits)
+        hit = _FWD_ROUTES.put(key, (routes.forward_route(problem_fwd, request), rows))
+        _log.debug("xattn forward route %s: %s", hit[0].name, hit[0].reason)
+    return hit
+
+
 def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k):
+                 max_seqlen_q, max_seqlen_k, num_splits=0):
     """The body of :func:`fwd` (also called by :mod:`xattn.torch.ring` outside the dispatcher): allocates
-    and returns ``(out, lse)`` in the layouts of the module docstring."""
+    and returns ``(out, lse)`` in the layouts of the module docstring, on the route :func:`_fwd_route` names."""
     checked, no_keys, fills, out_shape, lse_shape = _fwd_setup(q, k, v, family, causal, window_left, window_right,
                                                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = check_scale(softmax_scale)
+    if not no_keys and checked[1].total_q:
+        route, rows = _fwd_route(checked, q, k, v, num_splits)
+        if route.name == "split-kv":
+            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+            torch_split_kv.split_forward(route.plan, family, q, k, v, scale, rows, out, lse)
+            return out, lse
     out = _new(out_shape, q.dtype, q.device, fills.get("out"))
     lse = _new(lse_shape, torch.float32, q.device, fills.get("lse"))
     kw = _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -138,15 +170,16 @@ def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_rig
 @torch.library.custom_op("xattn::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: float, causal: bool,
         window_left: int, window_right: int, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-        max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:
-    """Attention forward: returns ``(out, lse)``; see the module docstring for layouts."""
+        max_seqlen_q: int, max_seqlen_k: int, num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    """Attention forward: returns ``(out, lse)``; see the module docstring for layouts. ``num_splits``:
+    FlashAttention's (0 auto, 1 off, n > 1 that many key splits; :mod:`xattn.core.split_kv`)."""
     return forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
-                        cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_splits)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-              max_seqlen_q, max_seqlen_k):
+              max_seqlen_q, max_seqlen_k, num_splits=0):
     out_shape, lse_shape = _fwd_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -345,7 +378,7 @@ def _bwd_fake(dout, q, k, v, out, lse, family, softmax_scale, causal, window_lef
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k = inputs
+    q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k = inputs[:12]
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
@@ -356,7 +389,7 @@ def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     family, scale, causal, wl, wr, max_q, max_k = ctx.params
     dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -368,12 +401,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, params):
-        family, scale, causal, wl, wr, max_q, max_k = params
+        family, scale, causal, wl, wr, max_q, max_k, num_splits = params
         # the lengths copy goes on the stream before the kernel: the backward then waits at most for the
         # GPU to reach this forward, not to finish it (the stream idles less while it enqueues the backward)
         ctx.lengths = _prefetch_lengths((family, q, v, (None if wl < 0 else wl, None if wr < 0 else wr)), cu_q, cu_k) \
             if any(ctx.needs_input_grad[:3]) else None
-        out, lse = forward_impl(q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k)
+        out, lse = forward_impl(q, k, v, family, scale, causal, wl, wr, cu_q, cu_k, max_q, max_k, num_splits)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.params = params
@@ -383,7 +416,7 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        family, scale, causal, wl, wr, max_q, max_k = ctx.params
+        family, scale, causal, wl, wr, max_q, max_k, _ = ctx.params
         grads = backward_impl(dout.contiguous(), q, k, v, out, lse, family, scale, causal, wl, wr, cu_q, cu_k,
                           max_q, max_k, ctx.lengths)
         return (*grads, None, None, None)
@@ -392,7 +425,7 @@ class _EagerAttention(torch.autograd.Function):
 def attention_op(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: float, causal: bool,
                  window_left: int, window_right: int, cu_seqlens_q: Optional[Tensor],
                  cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, *,
-                 check_inputs: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+                 check_inputs: Optional[bool] = None, num_splits: int = 0) -> tuple[Tensor, Tensor]:
     """Differentiable ``(out, lse)`` (same arguments as :func:`fwd`): the ``xattn::fwd`` custom op
     under torch.compile / fake or functional tensors, a direct autograd.Function in plain eager mode,
     and the forward alone where no gradient can be asked for (grad mode off, or no input requiring one).
@@ -405,8 +438,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, family: str, softmax_scale: fl
     if type(q) is Tensor and not torch.compiler.is_compiling():
         if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
             return forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q,
-                                cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # no graph to record (decode)
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_splits)  # no graph to record (decode)
         return _EagerAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, (
-            family, softmax_scale, causal, window_left, window_right, max_seqlen_q, max_seqlen_k))
+            family, softmax_scale, causal, window_left, window_right, max_seqlen_q, max_seqlen_k, num_splits))
     return fwd(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-               max_seqlen_q, max_seqlen_k)
+               max_seqlen_q, max_seqlen_k, num_splits)

@@ -1,0 +1,90 @@
+"""The split-KV route's rule and plans (xattn.core.routes.forward_route, xattn.core.split_kv): pure Python."""
+
+import pytest
+
+from xattn.core import routes, split_kv
+from xattn.core.routes import FwdProblem
+
+
+def decode(family="ffpa", b=1, hkv=4, g=8, nq=1, nk=32768, **kw):
+    return FwdProblem(family, b, hkv, g, nq, nk, **kw)
+
+
+@pytest.mark.parametrize("problem, name, splits", [
+    pytest.param(decode(), "split-kv", 33, id="d512-B1-32k: 4 CTAs -> 33 splits"),
+    pytest.param(decode(b=8), "split-kv", 4, id="d512-B8: 32 CTAs -> 4 splits"),
+    pytest.param(decode(b=8, nq=4, causal=True), "split-kv", 4, id="d512-B8-q4-causal"),
+    pytest.param(decode("fa4", hkv=8, g=4, nk=131072), "split-kv", 16, id="d128-B1-128k"),
+    pytest.param(decode("fa4", hkv=16, g=2, nk=8192), "split-kv", 8, id="d256-B1-8k"),
+    pytest.param(decode(b=64), "fused", None, id="B64: the fused CTAs fill the GPU"),
+    pytest.param(decode(nk=300), "fused", None, id="300 keys: too short to split"),
+    pytest.param(decode(nq=17), "fused", None, id="17 queries: prefill"),
+    pytest.param(decode("fa4", local=True), "fused", None, id="sliding window"),
+    pytest.param(decode(varlen=True), "fused", None, id="varlen"),
+    pytest.param(decode(flat_kv=False), "fused", None, id="no common row stride"),
+    pytest.param(decode(num_splits=1), "fused", None, id="num_splits=1"),
+    pytest.param(decode(b=64, num_splits=3), "split-kv", 3, id="num_splits=3 overrides the rule"),
+])
+def test_forward_route_rule(problem, name, splits):
+    route = routes.forward_route(problem, "auto")
+    assert route.name == name, route.reason
+    assert (route.plan.splits if route.plan else None) == splits
+    assert route.plan is None or route.plan.tail == (problem.causal and problem.seqlen_q > 1)
+    assert len(route.rejected()) == 1
+
+
+def test_forced_forward_route(monkeypatch):
+    assert routes.forward_route(decode(), "fused").name == "fused"
+    assert routes.forward_route(decode(nk=300), "split-kv").plan.splits == 2  # forced: at least 2
+    with pytest.raises(ValueError, match="dense queries"):
+        routes.forward_route(decode(varlen=True), "split-kv")
+    with pytest.raises(ValueError, match="XATTN_FWD_ROUTE"):
+        routes.forward_route(decode(), "fastest")
+    monkeypatch.setenv("XATTN_FWD_ROUTE", "fused")
+    assert routes.forward_route(decode()).name == "fused"
+    with routes.forced_forward("split-kv"):
+        assert routes.forward_route(decode(b=64)).name == "split-kv"
+
+
+@pytest.mark.parametrize("splits, causal, nq", [(2, False, 1), (5, True, 3), (33, False, 1), (4, True, 16)])
+@pytest.mark.parametrize("lengths, rows", [([1], 1), ([0, 7], 7), ([1000, 5, 300], 1000), ([40, 2000], 8000)])
+def test_split_cu_seqlens_cover_every_key_once(splits, causal, nq, lengths, rows):
+    """Per sequence, the slots' keys are exactly its valid keys, each once; cu_seqlens never decrease and
+    end inside the flat view; every query slot holds Nq rows."""
+    if max(lengths) > rows:
+        pytest.skip("a sequence longer than the row stride is not a flat view")
+    plan = split_kv.plan_splits(splits, causal, nq, None)
+    key_rows = rows * (len(lengths) - 1) + max(lengths)
+    cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, lengths, key_rows)
+    p = plan.partials
+    assert len(cu_q) == len(cu_k) == len(lengths) * (p + 1) + 1
+    assert all(a <= b for a, b in zip(cu_k, cu_k[1:])) and cu_k[-1] <= key_rows
+    assert cu_q[-1] == len(lengths) * p * nq
+    for b, length in enumerate(lengths):
+        docs = range(b * (p + 1), b * (p + 1) + p)
+        seen = [k for j in docs for k in range(cu_k[j], cu_k[j + 1])]
+        if plan.tail:
+            j = 2 * b + 1
+            assert tail_q[j + 1] - tail_q[j] == nq
+            seen += list(range(tail_k[j], tail_k[j + 1]))
+            assert tail_k[j + 1] - tail_k[j] == min(length, nq)
+        assert sorted(seen) == list(range(b * rows, b * rows + length))
+        assert all(cu_q[j + 1] - cu_q[j] == nq for j in docs)
+    if plan.tail:
+        assert all(a <= b for a, b in zip(tail_k, tail_k[1:])) and tail_q[-1] == len(lengths) * nq
+
+
+def test_split_bounds_are_key_tile_multiples():
+    plan = split_kv.plan_splits(33, False, 1, 32768)
+    bounds = split_kv.split_bounds(plan, 32768, 1)
+    assert all(lo % split_kv.KEY_TILE == 0 for lo, _ in bounds) and bounds[-1][1] == 32768
+    with pytest.raises(ValueError, match="num_splits"):
+        split_kv.plan_splits(split_kv.MAX_PARTIALS, False, 1, 10)
+
+
+def test_combine_spec_names_a_disk_cache_entry():
+    import re
+
+    from xattn.core import disk_cache
+    stem = disk_cache.entry_stem(split_kv.CombineSpec("ffpa", "bfloat16", 512))
+    assert re.match(disk_cache._STEM, stem), stem

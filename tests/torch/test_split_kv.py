@@ -1,0 +1,87 @@
+"""The split-KV forward route of xattn.torch on the CPU stand-ins (tests/torch/stubs.py: the varlen forward and
+the combine computed in fp64 under the kernels' contract): the split launch, the causal tail, the flat strided
+views of k/v (FlashAttention's contiguous layout and HF's transposed cache) and the route choice."""
+
+import pytest
+import torch
+
+import xattn.torch as xt
+from xattn.core import routes
+from tests.reference import attention as ref_attention
+
+from . import stubs
+
+CALLS = stubs.CALLS
+
+
+@pytest.fixture(autouse=True)
+def stub_core(monkeypatch):
+    stubs.install(monkeypatch)
+
+
+def _decode_inputs(b, nq, hq, hkv, nk, d, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nq, hq, d, generator=g, dtype=torch.float64)
+    if layout == "hf":  # HF's cache [B, Hkv, Nk, D], handed over transposed (no copy)
+        k = torch.randn(b, hkv, nk, d, generator=g, dtype=torch.float64).transpose(1, 2)
+        v = torch.randn(b, hkv, nk, d, generator=g, dtype=torch.float64).transpose(1, 2)
+    else:
+        k = torch.randn(b, nk, hkv, d, generator=g, dtype=torch.float64)
+        v = torch.randn(b, nk, hkv, d, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("b, nq, hq, hkv, nk, causal, splits", [
+    pytest.param(1, 1, 8, 1, 700, True, 3, id="B1-q1-g8-causal"),
+    pytest.param(3, 1, 8, 2, 517, False, 4, id="B3-q1-g4"),
+    pytest.param(2, 4, 4, 4, 300, True, 2, id="B2-q4-causal-tail"),
+    pytest.param(2, 5, 4, 2, 3, True, 2, id="causal-tail-longer-than-cache"),
+    pytest.param(2, 3, 4, 2, 1, False, 5, id="one-key-more-splits-than-keys"),
+    pytest.param(1, 16, 2, 1, 1000, True, 7, id="16-speculative-queries"),
+])
+def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
+    q, k, v = _decode_inputs(b, nq, hq, hkv, nk, 16, layout, seed=nk + nq)
+    out, lse = xt.attention_with_lse(q, k, v, causal=causal, family="ffpa", num_splits=splits)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=16 ** -0.5, causal=causal)
+    assert ("combine", "ffpa") in CALLS, "the split route did not run"
+    assert sum(c == ("fwd", "ffpa") for c in CALLS) == 1 + (causal and nq > 1)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)  # the partial lse is fp32
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
+
+
+def test_auto_route_splits_a_long_cache_and_not_a_prefill():
+    q, k, v = _decode_inputs(1, 1, 8, 1, 4096, 16, "contiguous", seed=1)
+    xt.attention(q, k, v, causal=True, family="ffpa")
+    assert ("combine", "ffpa") in CALLS
+    CALLS.clear()
+    q, k, v = _decode_inputs(1, 64, 8, 1, 4096, 16, "contiguous", seed=2)
+    xt.attention(q, k, v, causal=True, family="ffpa")
+    assert ("combine", "ffpa") not in CALLS and CALLS == [("fwd", "ffpa")]
+
+
+def test_num_splits_one_and_the_forced_routes():
+    q, k, v = _decode_inputs(1, 1, 8, 1, 4096, 16, "contiguous", seed=3)
+    xt.attention(q, k, v, family="ffpa", num_splits=1)
+    assert CALLS == [("fwd", "ffpa")]
+    with routes.forced_forward("fused"):
+        xt.attention(q, k, v, family="ffpa")
+    assert ("combine", "ffpa") not in CALLS
+    with pytest.raises(ValueError, match="window"), routes.forced_forward("split-kv"):
+        xt.attention(q, k, v, family="fa4", window_size=(8, 0))
+    with pytest.raises(ValueError, match="num_splits"):
+        xt.attention(q, k, v, family="ffpa", num_splits=-1)
+
+
+def test_strides_without_a_common_row_stride_stay_fused():
+    """k sliced along the heads of a bigger buffer with an odd batch stride: no flat view, so fused."""
+    q, _, _ = _decode_inputs(2, 1, 4, 2, 600, 16, "contiguous", seed=4)
+    big = torch.randn(2 * 19224, dtype=torch.float64)
+    k = big.as_strided((2, 600, 2, 16), (19224, 32, 16, 1))  # 19224 % 32 != 0
+    with routes.forced_forward("split-kv"), pytest.raises(ValueError, match="row stride"):
+        xt.attention(q, k, k, family="ffpa")
+    out = xt.attention(q, k, k, family="ffpa", num_splits=4)  # auto: the fused kernel
+    torch.testing.assert_close(out, ref_attention(q, k, k, scale=0.25)[0], atol=1e-10, rtol=1e-10)
+    assert ("combine", "ffpa") not in CALLS

@@ -1,0 +1,59 @@
+"""The combine launcher of the split-KV route: FlashAttention's ``FlashAttentionForwardCombine``
+(``flash_attn.cute.flash_fwd_combine``) compiled once per :class:`~xattn.core.split_kv.CombineSpec` with
+symbolic sizes and strides.
+
+Launcher signature (glossary of :mod:`xattn.core.split_kv`; tensors are strided views)::
+
+  out_partial [P, B, Nq, Hq, Dv] (dtype), lse_partial [P, B, Nq, Hq] f32 (Nq stride 1),
+  out [B, Nq, Hq, Dv] (dtype), lse [B, Nq, Hq] f32 (Nq stride 1)
+
+Every element of out and lse is written; P <= :data:`~xattn.core.split_kv.MAX_PARTIALS`.
+"""
+
+from __future__ import annotations
+
+from .symbolic import CUTE_DTYPES, compile_launcher  # noqa: F401  (pins the DSL arch first)
+
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32  # noqa: E402
+from flash_attn.cute.flash_fwd_combine import FlashAttentionForwardCombine  # noqa: E402
+from quack.compile_utils import make_fake_tensor  # noqa: E402
+
+from .split_kv import LOG_MAX_PARTIALS, CombineSpec  # noqa: E402
+
+__all__ = ["compile_combine"]
+
+_THREADS = 256  # the combine kernel's thread count
+
+
+class _Combine:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 unused: Float32, stream):
+        self.kernel(mO_partial, mLSE_partial, mO, mLSE, None, None, None, None, None, stream)
+
+
+def compile_combine(spec: CombineSpec):
+    """Compile the combine launcher of ``spec``; returns the compiled TVM-FFI function. Its trailing scalar
+    is unused (every xattn launcher ends with one float: the launch path passes the softmax scale)."""
+    dtype = CUTE_DTYPES[spec.dtype]
+    dv = spec.head_dim_v
+    # FlashAttention's own choice: a 64-wide head-dim block for Dv <= 64 (16-row tiles), else 128 (8-row tiles)
+    k_block = 64 if dv <= 64 else 128
+    tile_m = 8 if k_block == 128 else 16
+    if not FlashAttentionForwardCombine.can_implement(dtype, dtype, dv, tile_m, k_block, LOG_MAX_PARTIALS, _THREADS):
+        raise NotImplementedError(f"the combine kernel cannot run {spec.short_name()}")
+    # num_head only sizes the varlen scheduler's packing; the batched layout used here does not read it
+    kernel = FlashAttentionForwardCombine(dtype, dtype, dv, 1, tile_m=tile_m, k_block_size=k_block,
+                                          log_max_splits=LOG_MAX_PARTIALS, num_threads=_THREADS)
+    sym = cute.sym_int
+    p, b, n, h = sym(), sym(), sym(), sym()
+    div = 128 // dtype.width
+    tensors = (make_fake_tensor(dtype, (p, b, n, h, dv), divisibility=div),
+               make_fake_tensor(Float32, (p, b, n, h), divisibility=1, leading_dim=2),
+               make_fake_tensor(dtype, (b, n, h, dv), divisibility=div),
+               make_fake_tensor(Float32, (b, n, h), divisibility=1, leading_dim=1))
+    return compile_launcher(_Combine(kernel), tensors)

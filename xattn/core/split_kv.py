@@ -1,0 +1,163 @@
+"""Split-KV decode (flash-decoding): the keys of each sequence are split over several CTAs and the
+partial outputs merged by their lse. Pure plans and compile keys; :mod:`xattn.core.routes` decides when.
+
+Glossary: B batch, Nq queries per sequence (decoding: 1; speculative decoding: a few), Nk keys per
+sequence (the cache), L <= Nk the valid keys of one sequence, Hq/Hkv heads, g = Hq / Hkv, D/Dv head
+dims, S key splits, P = S partial slots per sequence (S + 1 with a causal tail), R the rows between two
+sequences' first keys in the flat key view (k ``[B, Nk, Hkv, D]`` with strides ``(sB, sN, sH, 1)``:
+``R = sB / sN``; contiguous FlashAttention layout: R = Nk; HF's ``[B, Hkv, Nk, D]`` transposed: R = Hkv Nk).
+
+How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
+
+1. **splits**: the family's varlen forward, non-causal, over ``B * (P + 1)`` documents. Document
+   ``(b, s)``, ``s < P``, holds the Nq queries of sequence b (``q_split [B*P*Nq, Hq, D]``, q copied once
+   per slot) and keys ``[b R + lo_s, b R + hi_s)`` of the flat view ``[R (B-1) + Nk, Hkv, D]``
+   (:func:`split_bounds`); the tail slot of a causal plan has no key here. Document ``(b, P)`` has no
+   query and covers the rows up to sequence b + 1, so ``cu_seqlens_k`` never decreases. Writes
+   ``out_partial [B*P*Nq, Hq, Dv]`` (pre-filled 0) and ``lse_partial [Hq, B*P*Nq]`` (pre-filled -inf).
+2. **causal tail** (``causal`` and Nq > 1 only): query i of Nq sees key p iff p <= L - Nq + i, so every
+   key before ``L - min(L, Nq)`` is seen by all queries (the splits, non-causal) and the last
+   ``min(L, Nq)`` keys are the tail: a causal varlen forward of the Nq queries on them, written into slot
+   ``P - 1``.
+3. **combine**: FlashAttention's combine kernel (:class:`CombineSpec`) reads the partials as
+   ``[P, B, Nq, Hq, Dv]`` / ``[P, B, Nq, Hq]`` views and writes out ``[B, Nq, Hq, Dv]`` and lse
+   ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
+   A row no key reaches gets out 0, lse -inf, as the fused kernels.
+
+The partials are rounded to the input dtype (the kernels write out in q's dtype), so the result equals
+the fused kernel's within one more rounding of that dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .spec import FFPA_FWD_TILE_M, library_versions
+
+__all__ = ["SplitPlan", "CombineSpec", "plan_splits", "decode_splits", "split_bounds", "split_cu_seqlens",
+           "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "source_digest"]
+
+MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
+MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
+MAX_PARTIALS = 128  # partial slots per sequence the combine launcher is compiled for (2 ** LOG_MAX_PARTIALS)
+LOG_MAX_PARTIALS = 7
+KEY_TILE = 128  # split bounds are multiples of the kernels' key tile (FFPA 128; FA4 sm90 <= 128)
+_FA4_FWD_TILE_M = 128  # FA4 sm90 forward query tile (pack_gqa packs the group's heads into it)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How one call is split: ``splits`` key splits (``S``), ``tail`` (a causal tail slot), ``chunk`` keys
+    per split when every sequence holds ``seqlen_k`` keys (``0`` when lengths come per sequence: each
+    sequence's chunk is then its own, :func:`split_bounds`)."""
+
+    splits: int
+    tail: bool
+    chunk: int
+
+    @property
+    def partials(self) -> int:
+        """Partial slots per sequence (``P``)."""
+        return self.splits + int(self.tail)
+
+
+def decode_splits(family: str, batch: int, heads_kv: int, g: int, seqlen_q: int, seqlen_k: int,
+                  num_sms: int) -> int:
+    """The documented rule: how many splits fill the GPU. The fused forward runs
+    ``B * Hkv * ceil(Nq g / tile_m)`` CTAs (the GQA heads share a query tile); the split launch multiplies
+    that by S, so S = the most splits that still fit one wave of ``num_sms`` CTAs, at most
+    ``Nk / MIN_KEYS_PER_SPLIT`` and :data:`MAX_PARTIALS` - 1. Returns 1 (do not split) when fewer than 2."""
+    tile_m = FFPA_FWD_TILE_M if family == "ffpa" else _FA4_FWD_TILE_M
+    ctas = batch * heads_kv * math.ceil(seqlen_q * g / tile_m)
+    if ctas == 0:
+        return 1
+    s = min(num_sms // ctas, seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIALS - 1)
+    return s if s >= 2 else 1
+
+
+def plan_splits(splits: int, causal: bool, seqlen_q: int, seqlen_k: int | None) -> SplitPlan:
+    """The plan of ``splits`` key splits; ``seqlen_k`` None: per-sequence lengths (``cache_seqlens``)."""
+    if not 1 <= splits < MAX_PARTIALS:
+        raise ValueError(f"num_splits: expected 1-{MAX_PARTIALS - 1}, got {splits}")
+    tail = causal and seqlen_q > 1
+    chunk = 0
+    if seqlen_k is not None:
+        chunk = _chunk(_full_keys(seqlen_k, seqlen_q, tail), splits)
+    return SplitPlan(splits, tail, chunk)
+
+
+def _full_keys(length: int, seqlen_q: int, tail: bool) -> int:
+    """Keys every query sees (the splits' share): all of them, or all before the causal tail."""
+    return length - min(length, seqlen_q) if tail else length
+
+
+def _chunk(keys: int, splits: int) -> int:
+    return -(-max(keys, 1) // (splits * KEY_TILE)) * KEY_TILE
+
+
+def split_bounds(plan: SplitPlan, length: int, seqlen_q: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` per slot of one sequence of ``length`` valid keys (host ints): S splits over the
+    keys every query sees, then the tail ``(length - min(length, Nq), length)`` if ``plan.tail``."""
+    full = _full_keys(length, seqlen_q, plan.tail)
+    chunk = plan.chunk or _chunk(full, plan.splits)
+    out = [(min(s * chunk, full), min((s + 1) * chunk, full)) for s in range(plan.splits)]
+    if plan.tail:
+        out.append((full, length))
+    return out
+
+
+def split_cu_seqlens(plan: SplitPlan, seqlen_q: int, rows_per_seq: int, lengths: list[int],
+                     key_rows: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Host int lists ``(cu_q, cu_k)`` of the split launch and ``(tail_cu_q, tail_cu_k)`` of the tail launch
+    (empty without a tail), for sequences of ``lengths`` valid keys whose keys start every ``rows_per_seq``
+    rows of a flat key view of ``key_rows`` rows.
+
+    Split launch: ``B * (P + 1)`` documents (module docstring), queries ``q_split [B*P*Nq]``. Tail launch:
+    ``2 B`` documents, per sequence one without a query (the rows before its tail) and one with its Nq
+    queries (q's own rows ``[B*Nq]``) on its tail keys."""
+    cu_q, cu_k, tail_q, tail_k = [0], [0], [0], [0]
+    for b, length in enumerate(lengths):
+        base = b * rows_per_seq
+        bounds = split_bounds(plan, length, seqlen_q)
+        for s, (lo, hi) in enumerate(bounds):
+            cu_q.append(cu_q[-1] + seqlen_q)
+            cu_k.append(base + (lo if plan.tail and s == plan.splits else hi))  # the tail slot: no key here
+        cu_q.append(cu_q[-1])  # no query: the rows up to the next sequence
+        cu_k.append(key_rows if b == len(lengths) - 1 else base + rows_per_seq)
+        if plan.tail:
+            lo, hi = bounds[-1]
+            tail_q += [tail_q[-1], tail_q[-1] + seqlen_q]
+            tail_k += [base + lo, base + hi]
+    return cu_q, cu_k, (tail_q if plan.tail else []), (tail_k if plan.tail else [])
+
+
+@functools.cache
+def source_digest() -> str:
+    """Digest of the combine launcher's source (part of its compile key)."""
+    return hashlib.sha256((Path(__file__).resolve().parent / "combine_sm90.py").read_bytes()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CombineSpec:
+    """Compile key of the combine launcher (FlashAttention's ``FlashAttentionForwardCombine``): ``dtype`` of
+    out and of the partials, ``head_dim_v`` (Dv), up to :data:`MAX_PARTIALS` slots. Goes through the same
+    launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`; ``family`` only names the entry."""
+
+    family: str
+    dtype: str
+    head_dim_v: int
+    arch: str = "sm_90a"
+    source: str = field(default_factory=source_digest)
+    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    def short_name(self) -> str:
+        # "<family>_fwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
+        return f"{self.family}_fwd_combine_{self.dtype}_d{self.head_dim_v}_p{MAX_PARTIALS}_{self.arch}"
+
+    def target_name(self) -> str:
+        digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]
+        return f"xattn_{self.short_name()}_{digest}"
