@@ -31,6 +31,8 @@
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
 #                DECODE_PROMPT, DECODE_ROUNDS) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
+#   decode-attn  benchmarks/decode_attention.py (one decoding attention call: ms, HBM share; DECODE_ATTN_ARGS)
+#                -> $OUT/results/decode_attention_h200.json
 #   decode-profile  benchmarks/tools/decode_profile.py (host time of a decode step by module, syncs by call site;
 #                DECODE_PROFILE_IMPL, DECODE_PROFILE_MODE, DECODE_PROFILE_LABEL) -> $OUT/results/decode_profile_h200.json (continuing)
 #   host-cost    benchmarks/tools/host_cost.py (host µs per call, torch and JAX, real kernels) -> $OUT/results/
@@ -86,6 +88,8 @@ for step in "$@"; do
             timeout "$t" python benchmarks/decode.py --impls "${DECODE_IMPLS:-ffpa,sdpa,flash_attention_2}" \
               --modes "${DECODE_MODES:-eager,graphs}" --prompt "${DECODE_PROMPT:-8192}" --rounds "${DECODE_ROUNDS:-1}" \
               --out "$OUT/results/decode_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
+    decode-attn) timeout "$t" python benchmarks/decode_attention.py --out "$OUT/results/decode_attention_h200.json" \
+              ${DECODE_ATTN_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -60 ;;
     decode-profile) [ -f benchmarks/results/decode_profile_h200.json ] && [ ! -f "$OUT/results/decode_profile_h200.json" ] \
               && cp benchmarks/results/decode_profile_h200.json "$OUT/results/decode_profile_h200.json"
             timeout "$t" python benchmarks/tools/decode_profile.py --mode "${DECODE_PROFILE_MODE:-eager}" --impl "${DECODE_PROFILE_IMPL:-ffpa}" \

@@ -105,6 +105,12 @@ def specs(recorded=None, fuzz=False):
         add("fa4", 128, 128, 4, False, window=window)
     for window in ((6, 0), (6, None), (None, 4), (0, 0), (3, 2)):  # window spellings (test_window_forms_gpu.py)
         add("fa4", 128, 128, 2, False, window=window)
+    from xattn.core.split_kv import CombineSpec
+    for dtype in ("bfloat16", "float16"):  # the split-KV decode route (tests/torch/test_split_kv_gpu.py, decode bench)
+        for family, d, g in (("ffpa", 512, 8), ("ffpa", 512, 4), ("fa4", 128, 4), ("fa4", 256, 2)):
+            for causal in (False, True):
+                add(family, d, d, g, causal, varlen=True, dtype=dtype, directions=("fwd",))
+            out.append(CombineSpec(family, dtype, d))
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

@@ -1,0 +1,107 @@
+"""One decoding attention call against a KV cache (issue #43): time and the share of HBM bandwidth it reaches.
+
+    python benchmarks/decode_attention.py [--out FILE] [--shapes d512,d256,d128] [--caches 8192,32768,131072]
+                                          [--batches 1,8] [--impls xattn,xattn-fused,sdpa]
+
+The call is ``xattn.torch.attention(q [B, Nq, Hq, D], k, v [B, Nk, Hkv, D], causal=True)`` (bf16, fresh random
+values; q_len 1, and 4 for d512), timed with ``triton.testing.do_bench`` (median of its repetitions; the
+L2 cache is flushed between runs by do_bench). Impls: ``xattn`` (the route :func:`xattn.core.routes.forward_route`
+picks: ``split-kv`` where the rule splits), ``xattn-fused`` (``num_splits=1``: the fused kernel, the
+route before #43), ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]``
+layout with ``enable_gqa``; at q_len 1 causal is no mask). ``hbm_fraction`` = bytes of K and V read / time /
+4.3 TB/s (the copy bandwidth of the H200 the issue measured).
+
+Rows: ``impl, family, head_dim, hq, hkv, batch, q_len, cache_len, ms, hbm_fraction, route, splits, status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+HBM_BYTES_PER_S = 4.3e12
+SHAPES = {  # name: (family, head_dim, hq, hkv): Gemma-4-31B's global layer, its sliding layer without a window, Llama
+    "d512": ("ffpa", 512, 32, 4),
+    "d256": ("fa4", 256, 32, 16),
+    "d128": ("fa4", 128, 32, 8),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[decode-attn {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, nk: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    import xattn.torch as xt
+    from xattn.core import routes, split_kv
+    from xattn.torch.split_kv import num_sms
+
+    row = dict(impl=impl, family=family, head_dim=d, hq=hq, hkv=hkv, batch=b, q_len=nq, cache_len=nk)
+    g = torch.Generator(device="cuda").manual_seed(nk + b + nq)
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    if impl == "sdpa":
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=nq > 1, enable_gqa=True)  # noqa: E731
+        row.update(route="sdpa", splits=None)
+    else:
+        num_splits = 1 if impl == "xattn-fused" else 0
+        fn = lambda: xt.attention(q, k, v, causal=True, num_splits=num_splits)  # noqa: E731
+        route = routes.forward_route(routes.FwdProblem(family, b, hkv, hq // hkv, nq, nk, causal=True,
+                                                       num_sms=num_sms(q.device), num_splits=num_splits), "auto")
+        row.update(route=route.name, splits=route.plan.splits if route.plan else 1,
+                   max_partials=split_kv.MAX_PARTIALS)
+    try:
+        fn()
+        torch.cuda.synchronize()
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except torch.OutOfMemoryError:
+        return dict(row, status="oom")
+    except Exception as exc:  # a row says why, the run goes on
+        return dict(row, status=f"error: {type(exc).__name__}: {str(exc)[:200]}")
+    kv_bytes = 2 * b * nk * hkv * d * 2
+    return dict(row, ms=round(ms, 4), hbm_fraction=round(kv_bytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4), status="ok")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="d512,d256,d128")
+    ap.add_argument("--caches", default="8192,32768,131072")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--impls", default="xattn,xattn-fused,sdpa")
+    args = ap.parse_args()
+    import torch
+
+    rows = []
+    for name in args.shapes.split(","):
+        family, d, hq, hkv = SHAPES[name]
+        for b in map(int, args.batches.split(",")):
+            for nk in map(int, args.caches.split(",")):
+                for nq in ((1, 4) if d == 512 else (1,)):
+                    for impl in args.impls.split(","):
+                        if impl == "sdpa" and d == 512 and b > 1:
+                            continue  # SDPA's d512 path is the math one: slow; the issue's B1 rows say enough
+                        row = measure(impl, family, d, hq, hkv, b, nq, nk)
+                        row.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+                        rows.append(row)
+                        log(" ".join(f"{k}={row.get(k)}" for k in ("impl", "head_dim", "batch", "q_len", "cache_len",
+                                                                   "ms", "hbm_fraction", "route", "splits", "status")))
+                        if args.out:
+                            with open(args.out, "w") as f:
+                                json.dump({"suite": __doc__.split("\n\n")[0], "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

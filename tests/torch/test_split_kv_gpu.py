@@ -1,0 +1,68 @@
+"""The split-KV decode route on the H200 with the real kernels: out and lse against fp64, and against the fused
+kernel of the same call (num_splits=1): the split result must be as close to fp64 as the fused one, within one
+more bf16 rounding of the partials. Fresh random inputs; FlashAttention's and HF's cache layouts."""
+
+import pytest
+import torch
+
+import xattn.torch as xt
+from tests.reference import attention as ref_attention, rel_err
+from xattn.core import routes
+
+pytestmark = pytest.mark.gpu
+
+
+def _decode(b, nq, hq, hkv, nk, d, layout, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    if layout == "hf":  # [B, Hkv, Nk, D] caches, handed over transposed (the split route reads them in place)
+        return mk(b, nq, hq, d), mk(b, hkv, nk, d).transpose(1, 2), mk(b, hkv, nk, d).transpose(1, 2)
+    return mk(b, nq, hq, d), mk(b, nk, hkv, d), mk(b, nk, hkv, d)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("d, b, nq, hq, hkv, nk, causal", [
+    pytest.param(512, 1, 1, 32, 4, 9000, True, id="d512-B1-q1-g8-9000"),
+    pytest.param(512, 3, 1, 16, 4, 5003, False, id="d512-B3-q1-g4"),
+    pytest.param(512, 2, 4, 32, 4, 4100, True, id="d512-B2-q4-causal-tail"),
+    pytest.param(512, 1, 16, 8, 1, 3000, True, id="d512-B1-q16-g8"),
+    pytest.param(128, 1, 1, 32, 8, 20000, True, id="d128-B1-g4"),
+    pytest.param(128, 4, 3, 32, 8, 6000, True, id="d128-B4-q3-tail"),
+    pytest.param(256, 2, 1, 32, 16, 7001, False, id="d256-B2-g2"),
+])
+def test_split_kv_vs_fp64_and_fused(layout, d, b, nq, hq, hkv, nk, causal):
+    q, k, v = _decode(b, nq, hq, hkv, nk, d, layout, seed=nk + d)
+    with routes.forced_forward("split-kv"):
+        out, lse = xt.attention_with_lse(q, k, v, causal=causal)
+    fused_out, fused_lse = xt.attention_with_lse(q, k, v, causal=causal, num_splits=1)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=causal)
+    err, fused_err = rel_err(out, ref_out), rel_err(fused_out, ref_out)
+    assert err < 2 * fused_err + 2e-3, (err, fused_err)
+    assert (lse.double() - ref_lse).abs().max() < 1e-3 + (fused_lse.double() - ref_lse).abs().max()
+
+
+def test_auto_route_at_the_issue_shape_splits_and_matches():
+    """The rule's own choice at Gemma-4-31B's global layer (d512 Hq32/Hkv4, B1, 32k cache, one new token)."""
+    q, k, v = _decode(1, 1, 32, 4, 32768, 512, "contiguous", seed=7)
+    problem = routes.FwdProblem("ffpa", 1, 4, 8, 1, 32768, causal=True,
+                                num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    assert routes.forward_route(problem, "auto").name == "split-kv"
+    out = xt.attention(q, k, v, causal=True)
+    ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
+    assert rel_err(out, ref_out) < 1e-2
+
+
+def test_split_kv_under_a_cuda_graph():
+    """Captured once (after a warm-up that builds the cu_seqlens), replayed on new values in the same buffers."""
+    q, k, v = _decode(2, 1, 32, 4, 8192, 512, "contiguous", seed=11)
+    xt.attention(q, k, v, causal=True, num_splits=16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = xt.attention(q, k, v, causal=True, num_splits=16)
+    for seed in (12, 13):
+        fresh = _decode(2, 1, 32, 4, 8192, 512, "contiguous", seed=seed)
+        for dst, src in zip((q, k, v), fresh):
+            dst.copy_(src)
+        graph.replay()
+        ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
+        assert rel_err(out, ref_out) < 1e-2
