@@ -17,13 +17,14 @@ lives in :mod:`xattn.torch.fa4_helpers` and :mod:`xattn.torch.fa4_interface`.
   layouts (dense ``[B, N, H, D]``, varlen ``[T, H, D]``) on xattn's launchers; a call using a feature they
   lack is handed to ``flash_attn.cute``'s own function, as NeMo's ``_load_fa4`` returns those functions.
 * :func:`import_fa4_modules`: the optional FA4 / CuTe DSL modules, with one ``ImportError`` naming all that
-  are missing and the pip command.
+  are missing ("could not import ...") and the pip command. Each goes through ``safe_import`` (``(ok,
+  module)``) as this module holds it when called: NeMo's hook, replaceable here as in NeMo.
 """
 
 from .fa4_helpers import LAYOUT_CACHE as _LAYOUT_CACHE, LAYOUT_GENERATION as _LAYOUT_GENERATION
 from .fa4_helpers import PAD_DOC_ID as _PAD_DOC_ID
-from .fa4_helpers import causal_fa4_attention, document_causal_fa4_attention
+from .fa4_helpers import causal_fa4_attention, document_causal_fa4_attention, import_fa4_modules, safe_import
 from .fa4_helpers import varlen_layout as _varlen_layout, varlen_segments as _varlen_segments
-from .fa4_interface import import_fa4_modules, load_fa4 as _load_fa4
+from .fa4_interface import load_fa4 as _load_fa4
 
 __all__ = ["import_fa4_modules", "causal_fa4_attention", "document_causal_fa4_attention"]

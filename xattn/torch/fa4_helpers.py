@@ -18,15 +18,23 @@ nothing is gathered. Padding queries return zeros.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 from typing import Any
 
 import torch
 
+from xattn.core.device import prepare_dsl_environment
+
 from .attention import attention
 from .varlen_check import cu_seqlens_from_lengths
 
-__all__ = ["causal_fa4_attention", "document_causal_fa4_attention", "varlen_layout", "varlen_segments",
-           "LAYOUT_CACHE", "LAYOUT_GENERATION", "PAD_DOC_ID"]
+__all__ = ["causal_fa4_attention", "document_causal_fa4_attention", "import_fa4_modules", "safe_import",
+           "varlen_layout", "varlen_segments", "LAYOUT_CACHE", "LAYOUT_GENERATION", "PAD_DOC_ID"]
+
+_FACADE = "xattn.torch.fa4"  # NeMo's module: its ``safe_import`` is the hook import_fa4_modules looks up
+_PIP_HINT = "pip install flash-attn-4==4.0.0b36"
 
 PAD_DOC_ID = 0  # padding ids are <= 0 (0 as NeMo writes them; any id <= 0 counts as padding)
 # The varlen layouts of the current step. ``LAYOUT_GENERATION`` holds ``[ids, host ids]``: a private copy of
@@ -37,6 +45,37 @@ PAD_DOC_ID = 0  # padding ids are <= 0 (0 as NeMo writes them; any id <= 0 count
 # ``(q_length, q_global_start, kv shape)``. Both are mutated in place, never rebound.
 LAYOUT_CACHE: dict[tuple, Any] = {}
 LAYOUT_GENERATION: list[Any] = [None, None]
+
+
+def safe_import(name: str) -> tuple[bool, types.ModuleType | ImportError]:
+    """``(True, module)``, or ``(False, the ImportError)`` where ``name`` does not import (NeMo's ``safe_import``)."""
+    try:
+        return True, importlib.import_module(name)
+    except ImportError as exc:
+        return False, exc
+
+
+def import_fa4_modules(*names: str) -> tuple[types.ModuleType, ...]:
+    """Import the named modules (e.g. ``"flash_attn.cute.interface"``, ``"cutlass.cute"``) and return them as a
+    tuple in the order given; no names gives ``()``.
+
+    Each name goes through ``safe_import`` as :mod:`xattn.torch.fa4` holds it when called (NeMo's hook: a
+    replacement there is used). Every module that fails to import is listed in ONE ``ImportError``, "could not
+    import <names>", ending with the pip command for FA4. On a machine without a GPU the CuTeDSL target is
+    pinned to sm_90a first, so importing cutlass here does not fix it to another arch."""
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"names: expected module names (str), got {type(name).__name__}")
+    if names:
+        prepare_dsl_environment()
+    load = getattr(sys.modules.get(_FACADE), "safe_import", safe_import)
+    imported = [load(name) for name in names]
+    missing = [name + (f" ({found})" if isinstance(found, BaseException) else "")
+               for name, (ok, found) in zip(names, imported) if not ok]
+    if missing:
+        raise ImportError(f"FlashAttention 4 / CuTe DSL modules missing: could not import {', '.join(missing)}. "
+                          f"{_PIP_HINT}")
+    return tuple(module for _, module in imported)
 
 
 def _sdpa_dims(query, key, value) -> tuple[int, int, int, int, int]:

@@ -22,7 +22,12 @@ parameter names, order, defaults, layouts and returns. The code lives in :mod:`x
   ``_get_ffpa_high_level`` (:mod:`~xattn.torch.hf.sdpa_layout`): low-level calls on SDPA-layout
   ``[B, H, N, D]`` / packed ``[T, H, D]`` tensors with the caller's out/lse, what ring attention builds on.
 * ``_get_sdpa`` / ``_get_flex`` / ``_get_eager`` (:mod:`~xattn.torch.hf.fallback`): the fallback
-  functions, resolved once.
+  functions (HF's SDPA and FlexAttention functions, HF Gemma 4's eager), looked up when called.
+
+NeMo's hooks are live, as in NeMo's module: ``_get_sdpa``, ``_get_eager``, ``_get_flex``, ``_is_block_mask``,
+``_ffpa_low_level_ready``, ``_get_ffpa_high_level`` and ``register_ffpa_attention`` (as
+``setup_ffpa_backend`` calls it) are looked up here when a call runs, so replacing one on this module
+(``monkeypatch.setattr``, ``mock.patch.object``) changes what the next call does (:mod:`xattn.torch.hf.hooks`).
 
 Data: ``_FFPA_HEAD_DIM``, ``_VARLEN_WIN_NONE`` and ``_FALLBACK_WARNED`` are the objects the code uses;
 ``_REGISTERED``, ``_SDPA_FN``, ``_FLEX_FN``, ``_EAGER_FN``, ``_FFPA_FN``, ``_CUTEDSL_BACKEND`` and
@@ -35,25 +40,30 @@ and runs); layers on FFPA (head_dim 320-512) and every forward are bitwise repro
 :mod:`xattn.torch.attention`).
 """
 
-from .hf import fallback as _fallback, registry as _registry, sdpa_layout as _sdpa_layout
+from .hf import fallback as _fallback, hooks as _hooks, registry as _registry, sdpa_layout as _sdpa_layout
+from .hf import support as _support
 from .hf.fallback import FALLBACK_WARNED as _FALLBACK_WARNED, logger, warn_once as _warn_once
-from .hf.fallback import cached_eager as _get_eager, cached_flex as _get_flex, cached_sdpa as _get_sdpa
+from .hf.fallback import get_eager as _get_eager, get_flex as _get_flex, get_sdpa as _get_sdpa
 from .hf.mask_factory import ffpa_mask
 from .hf.registry import register_ffpa_attention, setup_ffpa_backend
 from .hf.routing import ffpa_attention_forward, is_block_mask as _is_block_mask
 from .hf.sdpa_layout import FFPA_HEAD_DIM as _FFPA_HEAD_DIM, VARLEN_WIN_NONE as _VARLEN_WIN_NONE
 from .hf.sdpa_layout import dense_bwd as _ffpa_dense_bwd, dense_fwd as _ffpa_dense_fwd
-from .hf.sdpa_layout import high_level as _get_ffpa_high_level, low_level_ready as _ffpa_low_level_ready
+from .hf.sdpa_layout import high_level as _get_ffpa_high_level
 from .hf.sdpa_layout import varlen_bwd as _ffpa_varlen_bwd, varlen_fwd as _ffpa_varlen_fwd
 from .hf.sdpa_layout import varlen_ready as _ffpa_varlen_ready
+from .hf.support import low_level_ready as _ffpa_low_level_ready
 
 __all__ = ["ffpa_attention_forward", "ffpa_mask", "register_ffpa_attention", "setup_ffpa_backend", "_ffpa_dense_fwd",
            "_ffpa_dense_bwd"]
 
 
+_hooks.remember(globals())  # this module's own hooks: anything else put in their place later is a caller's
+
+
 def __getattr__(name: str):
     """NeMo's module state (``_REGISTERED``, ``_SDPA_FN``, ...), read live from the module that keeps it."""
-    for module in (_registry, _fallback, _sdpa_layout):
+    for module in (_registry, _fallback, _sdpa_layout, _support):
         state = module.nemo_state()
         if name in state:
             return state[name]

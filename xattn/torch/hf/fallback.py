@@ -2,6 +2,11 @@
 function (softcap, attention sinks), and HF's FlexAttention function (flex ``BlockMask`` layers); and the
 one-time warning that names why a layer left the kernels.
 
+The functions are found as NeMo's module finds them, when a call runs: ``_get_sdpa()``, ``_get_eager()``
+(HF Gemma 4's eager, for layers whose modeling file has none) and ``_get_flex()``, each of them a hook a
+caller may replace on :mod:`xattn.torch.ffpa_attention` (:mod:`xattn.torch.hf.hooks`); the transformers
+functions they return are looked up on their modules each time, so a patch of those is seen too.
+
 All take and return what HF's attention interface does: query ``[B, Hq, Nq, D]``, key/value
 ``[B, Hkv, Nk, D/Dv]``, and return ``(out [B, Nq, Hq, Dv] contiguous, weights)``: ``weights`` are the eager
 function's attention probabilities ``[B, Hq, Nq, Nk]`` (as the model's eager path returns them), None for
@@ -14,18 +19,29 @@ as ``ffpa fallback to <target>: <message> (reason=<reason>)``, once per reason a
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
 import torch
 
-__all__ = ["logger", "FALLBACK_WARNED", "warn_once", "get_sdpa", "get_flex", "get_eager", "cached_sdpa",
-           "cached_flex", "cached_eager", "nemo_state", "run_sdpa", "run_eager", "run_flex", "run_fallback",
-           "run_exact_fallback", "eager_attention_forward"]
+from . import hooks
+
+__all__ = ["logger", "FALLBACK_WARNED", "FlexUnavailable", "warn_once", "get_sdpa", "get_flex", "get_eager",
+           "nemo_state", "run_sdpa", "run_eager", "run_flex", "run_fallback", "run_exact_fallback",
+           "eager_attention_forward"]
 
 logger = logging.getLogger("xattn.torch.ffpa_attention")  # NeMo's module logger: the name callers filter on
 FALLBACK_WARNED: set[str] = set()  # the reasons warned about so far (NeMo's ``_FALLBACK_WARNED``)
-_SDPA_FN = _FLEX_FN = _EAGER_FN = None  # what the cached getters resolved (NeMo's module state)
+_SDPA_FN = _FLEX_FN = _EAGER_FN = None  # what the getters last found (NeMo's module state)
+_MISSING: set[str] = set()  # modules that did not import (not tried again)
+# FlexAttention's tiles for head dims over 256 (NeMo's): its default tiles do not fit in shared memory there.
+FLEX_LARGE_HEAD_OPTIONS = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32,
+                           "BLOCK_N2": 32, "num_stages": 1, "num_warps": 4}
+
+
+class FlexUnavailable(ImportError, RuntimeError):
+    """A flex ``BlockMask`` layer where HF's FlexAttention function is missing (a RuntimeError, as NeMo raises it)."""
 
 
 def warn_once(reason: str, message: str, target: str = "sdpa") -> None:
@@ -37,47 +53,38 @@ def warn_once(reason: str, message: str, target: str = "sdpa") -> None:
                        extra={"reason": reason, "target": target})
 
 
+def _attribute_now(module_name: str, name: str):
+    """``module_name.name`` as that module holds it now (a patch of it is seen), or None where either is missing.
+    The module is imported on first use only; later calls are two lookups."""
+    module = sys.modules.get(module_name)
+    if module is None and module_name not in _MISSING:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            _MISSING.add(module_name)
+    return getattr(module, name, None)
+
+
 def get_sdpa():
-    """HF's ``sdpa_attention_forward``, or None without transformers."""
-    try:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    except ImportError:
-        return None
-    return sdpa_attention_forward
-
-
-def get_flex():
-    """HF's ``flex_attention_forward``, or None where transformers or FlexAttention is missing."""
-    try:
-        from transformers.integrations.flex_attention import flex_attention_forward
-    except ImportError:
-        return None
-    return flex_attention_forward
-
-
-def get_eager():
-    """xattn's generic eager attention (softcap and ``s_aux`` sinks), HF signature."""
-    return eager_attention_forward
-
-
-def cached_sdpa():
-    """:func:`get_sdpa`, resolved once and kept (NeMo's ``_get_sdpa``)."""
+    """HF's ``sdpa_attention_forward`` (NeMo's ``_get_sdpa``), or None without transformers."""
     global _SDPA_FN
-    _SDPA_FN = _SDPA_FN or get_sdpa()
+    _SDPA_FN = _attribute_now("transformers.integrations.sdpa_attention", "sdpa_attention_forward")
     return _SDPA_FN
 
 
-def cached_flex():
-    """:func:`get_flex`, resolved once and kept (NeMo's ``_get_flex``)."""
+def get_flex():
+    """HF's ``flex_attention_forward`` (NeMo's ``_get_flex``), or None where transformers or FlexAttention is
+    missing."""
     global _FLEX_FN
-    _FLEX_FN = _FLEX_FN or get_flex()
+    _FLEX_FN = _attribute_now("transformers.integrations.flex_attention", "flex_attention_forward")
     return _FLEX_FN
 
 
-def cached_eager():
-    """:func:`get_eager`, resolved once and kept (NeMo's ``_get_eager``)."""
+def get_eager():
+    """HF Gemma 4's ``eager_attention_forward`` (NeMo's ``_get_eager``): the eager function of layers whose
+    modeling file has none; None where transformers has no Gemma 4."""
     global _EAGER_FN
-    _EAGER_FN = _EAGER_FN or get_eager()
+    _EAGER_FN = _attribute_now("transformers.models.gemma4.modeling_gemma4", "eager_attention_forward")
     return _EAGER_FN
 
 
@@ -110,9 +117,39 @@ def eager_attention_forward(module, query, key, value, attention_mask, dropout: 
 
 
 def _model_eager(module):
-    """The eager function of the module's own modeling file (what ``attn_implementation="eager"`` runs)."""
+    """The eager function of the module's own modeling file (what ``attn_implementation="eager"`` runs), or None."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    return fn if callable(fn) else eager_attention_forward
+    return fn if callable(fn) else None
+
+
+class _WithGroups:
+    """A layer without ``num_key_value_groups`` as HF's eager functions read it (they repeat K/V heads by it):
+    that attribute from the head counts, every other from the layer."""
+
+    def __init__(self, module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _eager_for(module, query, key, kwargs):
+    """``(fn, module)``: the eager function of this call and the module to hand it.
+
+    The layer's own (its modeling file's); else, for attention sinks, xattn's :func:`eager_attention_forward`
+    (Gemma 4's has no ``s_aux``); else ``_get_eager()`` (the facade's hook: HF Gemma 4's), given a view of the
+    layer with ``num_key_value_groups`` where it has none; xattn's where that returns None."""
+    own = _model_eager(module)
+    if own is not None:
+        return own, module
+    if kwargs.get("s_aux") is not None:
+        return eager_attention_forward, module
+    fn = (hooks.replaced("_get_eager") or get_eager)()
+    if fn is None:
+        return eager_attention_forward, module
+    if not hasattr(module, "num_key_value_groups"):
+        module = _WithGroups(module, query.shape[1] // key.shape[1])
+    return fn, module
 
 
 def _expand_gqa(module, query, key, value):
@@ -124,32 +161,36 @@ def _expand_gqa(module, query, key, value):
 
 
 def run_sdpa(module, query, key, value, mask, dropout, scaling, kwargs):
-    """HF's SDPA function with ``mask`` as given (``None`` only when the caller gave none)."""
-    sdpa = get_sdpa()
-    key, value = _expand_gqa(module, query, key, value)
+    """HF's SDPA function (``_get_sdpa()``) with ``mask`` as given (``None`` only when the caller gave none); the
+    eager function where it returns None, as NeMo degrades."""
+    sdpa = (hooks.replaced("_get_sdpa") or get_sdpa)()
     if sdpa is None:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                                               scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        return run_eager(module, query, key, value, mask, dropout, scaling, None, kwargs)
+    key, value = _expand_gqa(module, query, key, value)
     kwargs = {n: x for n, x in kwargs.items() if n not in ("softcap", "s_aux")}
     return sdpa(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def run_eager(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
-    """The model's own eager function (additive float mask, as HF's eager masks are)."""
+    """The eager function of the layer (:func:`_eager_for`), with an additive float mask as HF's eager masks are."""
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
-    out, weights = _model_eager(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                        softcap=softcap, **kwargs)
+    fn, layer = _eager_for(module, query, key, kwargs)
+    out, weights = fn(layer, query, key, value, mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
     return out.contiguous(), weights
 
 
 def run_flex(module, query, key, value, block_mask, scaling, softcap, kwargs):
-    """HF's FlexAttention function on a ``BlockMask`` (it applies exactly what the block mask carries)."""
-    flex = get_flex()
+    """HF's FlexAttention function (``_get_flex()``) on a ``BlockMask`` (it applies exactly what the block mask
+    carries); head dims over 256 get small tiles (:data:`FLEX_LARGE_HEAD_OPTIONS`) unless ``kernel_options``
+    are given. :class:`FlexUnavailable` where the function is missing: there is no exact fallback for it."""
+    flex = (hooks.replaced("_get_flex") or get_flex)()
     if flex is None:
-        raise ImportError("a flex BlockMask needs transformers' flex_attention_forward (torch >= 2.5)")
+        raise FlexUnavailable("a flex BlockMask layer needs transformers' flex_attention_forward (torch >= 2.5, "
+                              "pip install 'transformers>=5')")
+    if max(query.shape[-1], value.shape[-1]) > 256 and "kernel_options" not in kwargs:
+        kwargs = {**kwargs, "kernel_options": dict(FLEX_LARGE_HEAD_OPTIONS)}
     out, _ = flex(module, query, key, value, block_mask, scaling=scaling, softcap=softcap, **kwargs)
     return out, None
 

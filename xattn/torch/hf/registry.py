@@ -9,6 +9,7 @@ from __future__ import annotations
 import numbers
 
 from .. import cp_group
+from . import hooks
 from .fallback import logger
 from .mask_factory import ffpa_mask
 from .routing import ffpa_attention_forward
@@ -27,14 +28,16 @@ def register_ffpa_attention() -> bool:
     """Register ``"ffpa"`` in HF's ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent).
 
     Returns True when this call registered it, False when it was registered already (as NeMo's) or
-    transformers is not installed."""
+    transformers is not installed. "Registered" is the flag (NeMo's ``_REGISTERED``) AND both registries
+    still holding xattn's functions: a registry that lost (or had replaced) ``"ffpa"`` since gets it again."""
     global _REGISTERED
-    if _REGISTERED:
-        return False
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
+        return False
+    if _REGISTERED and AttentionInterface().get("ffpa") is ffpa_attention_forward \
+            and AttentionMaskInterface().get("ffpa") is ffpa_mask:
         return False
     AttentionInterface.register("ffpa", ffpa_attention_forward)
     AttentionMaskInterface.register("ffpa", ffpa_mask)
@@ -75,4 +78,4 @@ def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
     except ImportError:
         raise ImportError("attn_implementation='ffpa' needs transformers: pip install 'transformers>=5'") from None
     cp_group.activate(int(cp_size))
-    register_ffpa_attention()
+    (hooks.replaced("register_ffpa_attention") or register_ffpa_attention)()

@@ -9,6 +9,9 @@ onto an exact fallback.
   with the mask as it reads when the factory's mask was edited in place (its plan no longer describes it);
   each reason is logged once.
 * Under context parallelism the layer runs on this rank's shard (:mod:`xattn.torch.hf.context_parallel`).
+* NeMo's hooks are looked up on :mod:`xattn.torch.ffpa_attention` when the call runs
+  (:mod:`xattn.torch.hf.hooks`): ``_is_block_mask``, ``_ffpa_low_level_ready``, the fallback getters, and a
+  caller's ``_get_ffpa_high_level``, whose function then runs the dense FFPA calls as NeMo's does.
 
 HF hands ``query [B, Hq, Nq, D]`` and ``key/value [B, Hkv, Nk, D/Dv]`` (SDPA layout); the kernels read
 ``[B, N, H, D]`` views of them (no copy) and the function returns ``[B, Nq, Hq, Dv]`` contiguous. Never
@@ -26,7 +29,7 @@ from xattn.core.spec import family_for
 
 from .. import cp_group
 from ..ops import attention_op
-from . import fallback, support
+from . import fallback, hooks, support
 from .call_plan import layer_window, padding_layout, padding_plan, padding_sdpa_mask, plan_call
 from .context_parallel import run_sharded
 from .kernel_mask import KernelMask, PlannedMask
@@ -102,6 +105,41 @@ def _run_kernels(plan: KernelMask, query, key, value, scaling):
     return out.reshape(b, nq, *out.shape[1:])
 
 
+def _warn(reason: tuple[str, str]) -> None:
+    fallback.warn_once(*reason, target="eager" if reason[0] in ("softcap", "s_aux") else "sdpa")
+
+
+def _warn_mask_fallback(module, query, value, mask, dropout, scaling, softcap, kwargs) -> None:
+    """The warning of a 4D mask tensor, which runs as given: in NeMo's order, first why the call's dtype or options
+    (then the kernels) would keep it off the kernels anyway, else that the mask does (not for HF's own mask from
+    the factory: the factory warned already)."""
+    reason = support.option_reason(module, query, dropout, scaling, softcap, kwargs) or support.kernel_reason(
+        query, value, (None, None))
+    if reason is not None:
+        _warn(reason)
+    elif not getattr(mask, "_xattn_factory_fallback", False):
+        fallback.warn_once("4d_mask", "a mask tensor from outside the ffpa mask factory runs on SDPA as given")
+
+
+def _high_level_serves(plan: KernelMask, query, value) -> bool:
+    """Whether NeMo's dense path (``_get_ffpa_high_level``) serves this plan: one dense FFPA call, causal or not."""
+    return not plan.varlen and not support.is_windowed(plan.window) and \
+        family_for(query.shape[-1], value.shape[-1], False) == "ffpa"
+
+
+def _run_high_level(get, plan: KernelMask, query, key, value, scaling):
+    """NeMo's dense path through a caller's ``_get_ffpa_high_level``: ``fn, backend = get()``, then ``fn`` with
+    SDPA's signature on the SDPA-layout tensors; ``[B, Nq, Hq, Dv]`` contiguous, or None where ``fn`` is None."""
+    fn, backend = get()
+    if fn is None:
+        return None
+    if plan.kv_start or plan.kv_stop is not None:
+        key, value = key[:, :, plan.kv_start:plan.kv_stop], value[:, :, plan.kv_start:plan.kv_stop]
+    out = fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=plan.causal, scale=float(scaling),
+             enable_gqa=True, backend=backend)
+    return out.transpose(1, 2).contiguous()
+
+
 def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            softcap=None, **kwargs):
     """HF attention function: query ``[B, Hq, Nq, D]``, key/value ``[B, Hkv, Nk, D/Dv]`` -> ``(out [B, Nq, Hq, Dv]
@@ -121,7 +159,7 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
     group = cp_group.active_group()
     if group is not None:
         return run_sharded(group, module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs), None
-    if is_block_mask(attention_mask):
+    if (hooks.replaced("_is_block_mask") or is_block_mask)(attention_mask):
         return fallback.run_flex(module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
         keep, base = padding_layout(query, key, attention_mask)
@@ -130,14 +168,21 @@ def ffpa_attention_forward(module, query, key, value, attention_mask, dropout: f
             mask = padding_sdpa_mask(query, key, keep, base, layer_window(module, kwargs))
             return fallback.run_exact_fallback(module, query, key, value, mask, dropout, scaling, softcap, kwargs)
     elif attention_mask is not None and not isinstance(attention_mask, KernelMask):
-        if not getattr(attention_mask, "_xattn_factory_fallback", False):  # the factory warned already
-            fallback.warn_once("4d_mask", "a mask tensor from outside the ffpa mask factory runs on SDPA as given")
+        _warn_mask_fallback(module, query, value, attention_mask, dropout, scaling, softcap, kwargs)
         return fallback.run_fallback(module, query, key, value, attention_mask, dropout, scaling, softcap, kwargs)
     else:
         plan = plan_call(module, query, key, attention_mask, kwargs)
     reason = support.fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs)
     if reason is not None:
-        fallback.warn_once(*reason, target="eager" if reason[0] in ("softcap", "s_aux") else "sdpa")
+        _warn(reason)
+        return fallback.run_exact_fallback(module, query, key, value, plan.sdpa_mask(), dropout, scaling, softcap,
+                                           kwargs)
+    high_level = hooks.replaced("_get_ffpa_high_level")
+    if high_level is not None and _high_level_serves(plan, query, value):
+        out = _run_high_level(high_level, plan, query, key, value, scaling)
+        if out is not None:
+            return out, None
+        fallback.warn_once("ffpa_attn_func_unavailable", "_get_ffpa_high_level() gave no function")
         return fallback.run_exact_fallback(module, query, key, value, plan.sdpa_mask(), dropout, scaling, softcap,
                                            kwargs)
     return _run_kernels(plan, query, key, value, scaling), None

@@ -17,31 +17,23 @@ from ..attention import attention, attention_with_lse, default_family
 from ..ops import bwd as bwd_op
 from . import support
 
-__all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "low_level_ready", "varlen_ready", "high_level",
+__all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "varlen_ready", "high_level",
            "sdpa_on_kernels", "nemo_state", "FFPA_HEAD_DIM", "VARLEN_WIN_NONE"]
 
 FFPA_HEAD_DIM = 512  # NeMo's ``_FFPA_HEAD_DIM`` (the one head dim its FFPA ran; xattn's FFPA runs 320-512)
 VARLEN_WIN_NONE = -2 ** 31  # NeMo's "no window" sentinel, ``_VARLEN_WIN_NONE`` (xattn's core takes None)
-_FFPA_LOW_LEVEL_READY: bool | None = None
 _FFPA_FN = None
 _CUTEDSL_BACKEND = None
 
 
 def nemo_state() -> dict:
-    """This module's state under NeMo's names (``_FFPA_LOW_LEVEL_READY``, ``_FFPA_FN``, ``_CUTEDSL_BACKEND``)."""
-    return {"_FFPA_LOW_LEVEL_READY": _FFPA_LOW_LEVEL_READY, "_FFPA_FN": _FFPA_FN, "_CUTEDSL_BACKEND": _CUTEDSL_BACKEND}
-
-
-def low_level_ready() -> bool:
-    """Whether the FFPA kernels (dense fwd/bwd) can run in this process."""
-    global _FFPA_LOW_LEVEL_READY
-    _FFPA_LOW_LEVEL_READY = support.kernels_available() is None
-    return _FFPA_LOW_LEVEL_READY
+    """This module's state under NeMo's names (``_FFPA_FN``, ``_CUTEDSL_BACKEND``)."""
+    return {"_FFPA_FN": _FFPA_FN, "_CUTEDSL_BACKEND": _CUTEDSL_BACKEND}
 
 
 def varlen_ready() -> bool:
     """Whether the FFPA varlen kernels can run in this process (the same launchers as dense)."""
-    return low_level_ready()
+    return support.low_level_ready()
 
 
 def sdpa_on_kernels(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
@@ -71,7 +63,7 @@ def high_level():
     """``(sdpa_like_fn, backend)``: the differentiable SDPA-signature function (:func:`sdpa_on_kernels`) and
     ``xattn.core``, or ``(None, None)`` where the kernels cannot run."""
     global _FFPA_FN, _CUTEDSL_BACKEND
-    if not low_level_ready():
+    if not support.low_level_ready():
         return None, None
     import xattn.core
 

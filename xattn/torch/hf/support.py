@@ -4,7 +4,9 @@
 exact fallback and its warning (:mod:`xattn.torch.hf.routing`), the refusal under context parallelism
 (:mod:`xattn.torch.hf.context_parallel`) and, through :func:`kernels_available`, the readiness probes of
 the low-level calls (:mod:`xattn.torch.hf.sdpa_layout`). Tests swap :func:`kernels_available` here to
-run on the stand-in kernels.
+run on the stand-in kernels. It asks, in NeMo's order, about the call's dtype and options
+(:func:`option_reason`), then about the kernels (:func:`kernel_reason`: head dims, and the facade's
+``_ffpa_low_level_ready()`` hook, :func:`low_level_ready` unless a caller replaced it).
 
 HF hands ``query [B, Hq, N, D]`` and ``value [B, Hkv, Nk, Dv]`` (SDPA layout).
 """
@@ -17,9 +19,13 @@ import torch
 
 from xattn.core.spec import family_for
 
-__all__ = ["kernels_available", "fallback_reason", "is_windowed"]
+from . import hooks
+
+__all__ = ["kernels_available", "low_level_ready", "option_reason", "kernel_reason", "fallback_reason",
+           "is_windowed", "nemo_state"]
 
 _DTYPES = (torch.bfloat16, torch.float16)  # what the kernels take
+_FFPA_LOW_LEVEL_READY: bool | None = None  # what low_level_ready() last found (NeMo's state)
 
 
 @torch.compiler.assume_constant_result  # torch.compile reads the answer at trace time (the probe is not traceable)
@@ -41,9 +47,21 @@ def is_windowed(window) -> bool:
     return window not in ((None, None), (None, 0))
 
 
-def fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs) -> tuple[str, str] | None:
-    """``(reason, message)`` when the kernels cannot run this call exactly (``plan``: its
-    :class:`~xattn.torch.hf.kernel_mask.KernelMask`; ``kwargs``: the layer's extra arguments), else None."""
+def low_level_ready() -> bool:
+    """Whether the FFPA kernels can run in this process (NeMo's ``_ffpa_low_level_ready``)."""
+    global _FFPA_LOW_LEVEL_READY
+    _FFPA_LOW_LEVEL_READY = kernels_available() is None
+    return _FFPA_LOW_LEVEL_READY
+
+
+def nemo_state() -> dict:
+    """This module's state under NeMo's names (``_FFPA_LOW_LEVEL_READY``), read now."""
+    return {"_FFPA_LOW_LEVEL_READY": _FFPA_LOW_LEVEL_READY}
+
+
+def option_reason(module, query, dropout, scaling, softcap, kwargs) -> tuple[str, str] | None:
+    """``(reason, message)`` when the call's dtype or options keep it off the kernels, else None; in NeMo's
+    order (dtype, softcap, dropout, scaling), before anything about its mask."""
     if query.dtype not in _DTYPES:
         return "dtype", f"{query.dtype} is not float16/bfloat16"
     if softcap is not None:
@@ -58,11 +76,23 @@ def fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwarg
         return "scaling", f"scaling={scaling}: the kernels take a positive scale only"
     if kwargs.get("position_bias") is not None:
         return "position_bias", "an additive position bias has no kernel"
-    windowed = is_windowed(plan.window)
+    return None
+
+
+def kernel_reason(query, value, window) -> tuple[str, str] | None:
+    """``("ffpa_unavailable", why)`` when no kernel runs these head dims with ``window`` (bottom-right
+    ``(left, right)``) here, else None. Readiness is ``_ffpa_low_level_ready()``, the facade's hook."""
+    windowed = is_windowed(window)
     if family_for(query.shape[-1], value.shape[-1], windowed) is None:
         what = "with a sliding window " if windowed else ""
         return "ffpa_unavailable", f"no kernel {what}for head dims {query.shape[-1]}/{value.shape[-1]}"
-    why = kernels_available()
-    if why is not None:
-        return "ffpa_unavailable", why
+    if not (hooks.replaced("_ffpa_low_level_ready") or low_level_ready)():
+        return "ffpa_unavailable", kernels_available() or "_ffpa_low_level_ready() is False"
     return None
+
+
+def fallback_reason(module, query, value, dropout, scaling, softcap, plan, kwargs) -> tuple[str, str] | None:
+    """``(reason, message)`` when the kernels cannot run this call exactly (``plan``: its
+    :class:`~xattn.torch.hf.kernel_mask.KernelMask`; ``kwargs``: the layer's extra arguments), else None."""
+    return option_reason(module, query, dropout, scaling, softcap, kwargs) or kernel_reason(query, value,
+                                                                                             plan.window)
