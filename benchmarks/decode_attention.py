@@ -3,15 +3,22 @@
     python benchmarks/decode_attention.py [--out FILE] [--shapes d512,d256,d128] [--caches 8192,32768,131072]
                                           [--batches 1,8] [--impls xattn,xattn-fused,sdpa]
 
-The call is ``xattn.torch.attention(q [B, Nq, Hq, D], k, v [B, Nk, Hkv, D], causal=True)`` (bf16, fresh random
-values; q_len 1, and 4 for d512), timed with ``triton.testing.do_bench`` (median of its repetitions; the
-L2 cache is flushed between runs by do_bench). Impls: ``xattn`` (the route :func:`xattn.core.routes.forward_route`
-picks: ``split-kv`` where the rule splits), ``xattn-fused`` (``num_splits=1``: the fused kernel, the
-route before #43), ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]``
-layout with ``enable_gqa``; at q_len 1 causal is no mask). ``hbm_fraction`` = bytes of K and V read / time /
-4.3 TB/s (the copy bandwidth of the H200 the issue measured).
+The call is ``xattn.torch.attention(q [B, Nq, Hq, D], k, v [B, Nk, Hkv, D], causal=True)`` (bf16, fresh
+random values; q_len 1, and 4 for d512), timed with ``triton.testing.do_bench`` (median of its repetitions;
+do_bench flushes the L2 cache between runs). Impls:
 
-Rows: ``impl, family, head_dim, hq, hkv, batch, q_len, cache_len, ms, hbm_fraction, route, splits, status``.
+* ``xattn``: the route :func:`xattn.core.routes.forward_route` picks (``split-kv`` where the rule splits);
+* ``xattn-fused``: ``num_splits=1``, the fused kernel (the route before #43);
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]`` layout with
+  ``enable_gqa`` (at q_len 1 causal is no mask).
+
+``hbm_fraction`` = bytes of K and V read / time / 4.3 TB/s (the copy bandwidth of the H200 the issue
+measured). ``ms`` times the eager call, host included: do_bench enqueues calls back to back, so a call whose
+host work outlasts its kernels is timed by its host work. ``ms_graph`` replays the same call captured in a
+CUDA graph: the kernels alone, as a serving engine or HF's static-cache generate runs decode steps.
+
+Rows: ``impl, family, head_dim, hq, hkv, batch, q_len, cache_len, ms, hbm_fraction, ms_graph,
+hbm_fraction_graph, route, splits, status``.
 """
 
 from __future__ import annotations
@@ -66,12 +73,18 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
         fn()
         torch.cuda.synchronize()
         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        ms_graph = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
     except torch.OutOfMemoryError:
         return dict(row, status="oom")
     except Exception as exc:  # a row says why, the run goes on
         return dict(row, status=f"error: {type(exc).__name__}: {str(exc)[:200]}")
     kv_bytes = 2 * b * nk * hkv * d * 2
-    return dict(row, ms=round(ms, 4), hbm_fraction=round(kv_bytes / (ms * 1e-3) / HBM_BYTES_PER_S, 4), status="ok")
+    share = lambda t: round(kv_bytes / (t * 1e-3) / HBM_BYTES_PER_S, 4)  # noqa: E731
+    return dict(row, ms=round(ms, 4), hbm_fraction=share(ms), ms_graph=round(ms_graph, 4),
+                hbm_fraction_graph=share(ms_graph), status="ok")
 
 
 def main() -> None:
@@ -97,7 +110,8 @@ def main() -> None:
                         row.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
                         rows.append(row)
                         log(" ".join(f"{k}={row.get(k)}" for k in ("impl", "head_dim", "batch", "q_len", "cache_len",
-                                                                   "ms", "hbm_fraction", "route", "splits", "status")))
+                                                                   "ms", "hbm_fraction", "ms_graph",
+                                                                   "hbm_fraction_graph", "route", "splits", "status")))
                         if args.out:
                             with open(args.out, "w") as f:
                                 json.dump({"suite": __doc__.split("\n\n")[0], "rows": rows}, f, indent=1)

@@ -11,7 +11,7 @@ def decode(family="ffpa", b=1, hkv=4, g=8, nq=1, nk=32768, **kw):
 
 
 @pytest.mark.parametrize("problem, name, splits", [
-    pytest.param(decode(), "split-kv", 33, id="d512-B1-32k: 4 CTAs -> 33 splits"),
+    pytest.param(decode(), "split-kv", 32, id="d512-B1-32k: 4 CTAs -> 33 splits of 1024 keys -> 32 filled"),
     pytest.param(decode(b=8), "split-kv", 4, id="d512-B8: 32 CTAs -> 4 splits"),
     pytest.param(decode(b=8, nq=4, causal=True), "split-kv", 4, id="d512-B8-q4-causal"),
     pytest.param(decode("fa4", hkv=8, g=4, nk=131072), "split-kv", 16, id="d128-B1-128k"),

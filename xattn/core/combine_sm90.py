@@ -41,9 +41,11 @@ def compile_combine(spec: CombineSpec):
     is unused (every xattn launcher ends with one float: the launch path passes the softmax scale)."""
     dtype = CUTE_DTYPES[spec.dtype]
     dv = spec.head_dim_v
-    # FlashAttention's own choice: a 64-wide head-dim block for Dv <= 64 (16-row tiles), else 128 (8-row tiles)
+    # FlashAttention's head-dim block (64 for Dv <= 64, else 128). The row tile must match the copy's thread
+    # layout: 256 threads, each loading 16 bytes, cover 256 * (16 B / element) / k_block rows. FlashAttention's
+    # own 8/16 rows are right for its fp32 partials only; xattn's partials are 16-bit (the kernels' out dtype).
     k_block = 64 if dv <= 64 else 128
-    tile_m = 8 if k_block == 128 else 16
+    tile_m = _THREADS * (128 // dtype.width) // k_block
     if not FlashAttentionForwardCombine.can_implement(dtype, dtype, dv, tile_m, k_block, LOG_MAX_PARTIALS, _THREADS):
         raise NotImplementedError(f"the combine kernel cannot run {spec.short_name()}")
     # num_head only sizes the varlen scheduler's packing; the batched layout used here does not read it

@@ -53,11 +53,13 @@ _FA4_FWD_TILE_M = 128  # FA4 sm90 forward query tile (pack_gqa packs the group's
 class SplitPlan:
     """How one call is split: ``splits`` key splits (``S``), ``tail`` (a causal tail slot), ``chunk`` keys
     per split when every sequence holds ``seqlen_k`` keys (``0`` when lengths come per sequence: each
-    sequence's chunk is then its own, :func:`split_bounds`)."""
+    sequence's chunk is then its own, :func:`split_bounds`). ``filled``: every slot of the split launch has
+    keys, so the kernels write every partial row and the partials need no pre-fill."""
 
     splits: int
     tail: bool
     chunk: int
+    filled: bool = False
 
     @property
     def partials(self) -> int:
@@ -84,10 +86,13 @@ def plan_splits(splits: int, causal: bool, seqlen_q: int, seqlen_k: int | None) 
     if not 1 <= splits < MAX_PARTIALS:
         raise ValueError(f"num_splits: expected 1-{MAX_PARTIALS - 1}, got {splits}")
     tail = causal and seqlen_q > 1
-    chunk = 0
-    if seqlen_k is not None:
-        chunk = _chunk(_full_keys(seqlen_k, seqlen_q, tail), splits)
-    return SplitPlan(splits, tail, chunk)
+    if seqlen_k is None:
+        return SplitPlan(splits, tail, 0)
+    full = _full_keys(seqlen_k, seqlen_q, tail)
+    chunk = _chunk(full, splits)
+    if full:  # no empty split: chunks are rounded up to the key tile, so fewer may cover every key
+        splits = -(-full // chunk)
+    return SplitPlan(splits, tail, chunk, filled=bool(full) and not tail)
 
 
 def _full_keys(length: int, seqlen_q: int, tail: bool) -> int:
@@ -153,6 +158,13 @@ class CombineSpec:
     arch: str = "sm_90a"
     source: str = field(default_factory=source_digest)
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    def __post_init__(self):
+        # the launch path looks the launcher up by this key on every call: hash it once
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def short_name(self) -> str:
         # "<family>_fwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too

@@ -9,6 +9,8 @@ launch. The keys are read in place through a flat strided view of k and v (no co
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -20,7 +22,7 @@ from . import ops
 
 __all__ = ["rows_per_seq", "split_forward", "num_sms"]
 
-_CU = Memo(256)  # (plan, Nq, R, key rows, lengths, device) -> cu_seqlens on the device (host lists: built once)
+_SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
 
 
@@ -49,22 +51,45 @@ def rows_per_seq(k: Tensor, v: Tensor) -> int | None:
     return rows[0] if rows[0] == rows[1] else None
 
 
-def _flat(t: Tensor, rows: int, key_rows: int) -> Tensor:
+def _flat(t: Tensor, key_rows: int) -> Tensor:
     """``[R (B-1) + Nk, H, D]``: every sequence's keys on one row stride, a view of ``t`` (module docstring)."""
     return t.as_strided((key_rows, t.shape[2], t.shape[3]), (t.stride(1), t.stride(2), t.stride(3)),
                         t.storage_offset())
 
 
-def _cu_seqlens(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths: tuple, device):
-    key = (plan, seqlen_q, rows, key_rows, lengths, device)
-    hit = _CU.get(key)
-    if hit is None:
-        cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, seqlen_q, rows, list(lengths), key_rows)
-        longest = lambda cu: max((b - a for a, b in zip(cu, cu[1:])), default=0)  # noqa: E731
-        as_dev = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device) if cu else None  # noqa: E731
-        hit = _CU.put(key, (as_dev(cu_q), as_dev(cu_k), longest(cu_k), as_dev(tail_q), as_dev(tail_k),
-                            longest(tail_k)))
-    return hit
+class _Setup(NamedTuple):
+    """What one call signature derives once: the launches' cu_seqlens on the device, their validated
+    ``(spec, problem)`` and the combine's compile key."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_k: int
+    checked: tuple
+    tail_q: Tensor | None
+    tail_k: Tensor | None
+    tail_max_k: int
+    tail_checked: tuple | None
+    combine: CombineSpec
+
+
+def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor, vf: Tensor, rows: int, nk: int):
+    key = (plan, family, q.shape, kf.shape, vf.shape, q.dtype, rows, nk, q.device)
+    hit = _SETUPS.get(key)
+    if hit is not None:
+        return hit
+    b, nq = q.shape[0], q.shape[1]
+    cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, kf.shape[0])
+    longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
+    as_dev = lambda cu: torch.tensor(cu, dtype=torch.int32, device=q.device) if cu else None  # noqa: E731
+    cu_q_d, cu_k_d, tail_q_d, tail_k_d = (as_dev(cu) for cu in (cu_q, cu_k, tail_q, tail_k))
+    checked = ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k))
+    tail_checked = None
+    if plan.tail:
+        tail_checked = ops._checked("fwd", family, q.reshape(b * nq, *q.shape[2:]), kf, vf, True, -1, -1, tail_q_d,
+                                    tail_k_d, nq, longest(tail_k))
+    combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), vf.shape[-1])
+    return _SETUPS.put(key, _Setup(cu_q_d, cu_k_d, longest(cu_k), checked, tail_q_d, tail_k_d, longest(tail_k),
+                                   tail_checked, combine))
 
 
 def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor, scale: float, rows: int,
@@ -76,25 +101,24 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     nk, dv = k.shape[1], v.shape[-1]
     p = plan.partials
     key_rows = rows * (b - 1) + nk
-    cu_q, cu_k, max_k, tail_q, tail_k, tail_max_k = _cu_seqlens(plan, nq, rows, key_rows, (nk,) * b, q.device)
-    kf, vf = _flat(k, rows, key_rows), _flat(v, rows, key_rows)
+    kf, vf = _flat(k, key_rows), _flat(v, key_rows)
     q_split = q.unsqueeze(1).expand(b, p, nq, hq, d).reshape(b * p * nq, hq, d)
-    out_p = torch.zeros((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
-    lse_p = torch.full((hq, b * p * nq), float("-inf"), dtype=torch.float32, device=q.device)
-    _launch_varlen(family, False, q_split, kf, vf, out_p, lse_p, scale, cu_q, cu_k, nq, max_k)
+    setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
+    if plan.filled:  # every slot has keys: the kernels write every row
+        out_p = torch.empty((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
+        lse_p = torch.empty((hq, b * p * nq), dtype=torch.float32, device=q.device)
+    else:  # empty slots are skipped by FFPA: they must read as "no key" (0, -inf)
+        out_p = torch.zeros((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
+        lse_p = torch.full((hq, b * p * nq), float("-inf"), dtype=torch.float32, device=q.device)
+    ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_p, lse_p, softmax_scale=scale, cu_seqlens_q=setup.cu_q,
+                      cu_seqlens_k=setup.cu_k, max_seqlen_q=nq, max_seqlen_k=setup.max_k)
     if plan.tail:
-        q_rows = q.reshape(b * nq, hq, d)
         out_t = torch.zeros((b * nq, hq, dv), dtype=q.dtype, device=q.device)
         lse_t = torch.full((hq, b * nq), float("-inf"), dtype=torch.float32, device=q.device)
-        _launch_varlen(family, True, q_rows, kf, vf, out_t, lse_t, scale, tail_q, tail_k, nq, tail_max_k)
+        ops.LAUNCH["fwd"](setup.tail_checked, q.reshape(b * nq, hq, d), kf, vf, out_t, lse_t, softmax_scale=scale,
+                          cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
+                          max_seqlen_k=setup.tail_max_k)
         out_p.view(b, p, nq, hq, dv)[:, p - 1].copy_(out_t.view(b, nq, hq, dv))
         lse_p.view(hq, b, p, nq)[:, :, p - 1].copy_(lse_t.view(hq, b, nq))
-    ops.LAUNCH["combine"](CombineSpec(family, str(q.dtype).removeprefix("torch."), dv),
-                          out_p.view(b, p, nq, hq, dv).permute(1, 0, 2, 3, 4),
+    ops.LAUNCH["combine"](setup.combine, out_p.view(b, p, nq, hq, dv).permute(1, 0, 2, 3, 4),
                           lse_p.view(hq, b, p, nq).permute(2, 1, 3, 0), out, lse.permute(0, 2, 1))
-
-
-def _launch_varlen(family, causal, q, k, v, out, lse, scale, cu_q, cu_k, max_q, max_k) -> None:
-    checked = ops._checked("fwd", family, q, k, v, causal, -1, -1, cu_q, cu_k, max_q, max_k)
-    ops.LAUNCH["fwd"](checked, q, k, v, out, lse, softmax_scale=scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                      max_seqlen_q=max_q, max_seqlen_k=max_k)
