@@ -20,6 +20,14 @@ def _decode(b, nq, hq, hkv, nk, d, layout, seed, dtype=torch.bfloat16):
     return mk(b, nq, hq, d), mk(b, nk, hkv, d), mk(b, nk, hkv, d)
 
 
+def _poison_allocator():
+    """Leave NaN in freed blocks of torch's caching allocator (large and small pools), so a partial row that no
+    kernel writes reads NaN rather than a lucky 0."""
+    blocks = [torch.full((2 ** 26,), float("nan"), device="cuda")]
+    blocks += [torch.full((2 ** 16,), float("nan"), device="cuda") for _ in range(64)]
+    del blocks
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
 @pytest.mark.parametrize("d, b, nq, hq, hkv, nk, causal", [
     pytest.param(512, 1, 1, 32, 4, 9000, True, id="d512-B1-q1-g8-9000"),
@@ -30,14 +38,6 @@ def _decode(b, nq, hq, hkv, nk, d, layout, seed, dtype=torch.bfloat16):
     pytest.param(128, 4, 3, 32, 8, 6000, True, id="d128-B4-q3-tail"),
     pytest.param(256, 2, 1, 32, 16, 7001, False, id="d256-B2-g2"),
 ])
-def _poison_allocator():
-    """Leave NaN in freed blocks of torch's caching allocator (large and small pools), so a partial row that no
-    kernel writes reads NaN rather than a lucky 0."""
-    blocks = [torch.full((2 ** 26,), float("nan"), device="cuda")]
-    blocks += [torch.full((2 ** 16,), float("nan"), device="cuda") for _ in range(64)]
-    del blocks
-
-
 def test_split_kv_vs_fp64_and_fused(layout, d, b, nq, hq, hkv, nk, causal):
     q, k, v = _decode(b, nq, hq, hkv, nk, d, layout, seed=nk + d)
     _poison_allocator()
