@@ -334,9 +334,10 @@ def refusal_check(cfg: Config, run) -> Check:
 
 
 def routes_of(cfg: Config) -> list[str]:
-    """The backward routes ``cfg`` runs, forced one by one: every route that can serve it as its front end
+    """The routes ``cfg`` runs, forced one by one: every backward route that can serve it as its front end
     describes the problem (``torch``: host document lengths; ``jax``: traced ones), or the drawn option
-    ``route``; ``["fused"]`` for the core front ends (the fused kernels, called directly)."""
+    ``route``; ``["fused"]`` for the core front ends (the fused kernels, called directly); then, for torch,
+    the forward route ``split-kv`` where it can serve (a decoding forward, :mod:`xattn.core.split_kv`)."""
     from xattn.core import routes
 
     if cfg.opt("route"):
@@ -353,14 +354,34 @@ def routes_of(cfg: Config) -> list[str]:
     else:
         problem = routes.BwdProblem(**base, kind="traced", slots=cfg.batch, max_seqlen_q=cfg.seqlen_q,
                                     max_seqlen_k=cfg.seqlen_k, same_segments=bool(cfg.opt("same_cu")))
-    return routes.serving_routes(problem)
+    names = list(routes.serving_routes(problem))
+    if cfg.front_end == "torch" and routes.why_not_forward("split-kv", _forward_problem(cfg)) is None:
+        names.append("split-kv")  # the forward route of decoding (its backward: the default)
+    return names
+
+
+def _forward_problem(cfg: Config):
+    """The forward as :func:`xattn.core.routes.forward_route` sees it; ``flat_kv`` from the drawn k/v storage
+    (one row stride between sequences: only the heads-major "swapped" storage changes it)."""
+    from xattn.core import routes
+
+    e = cfg.entry
+    flat = cfg.batch <= 1 or (cfg.layout("k") == "swapped") == (cfg.layout("v") == "swapped")
+    return routes.FwdProblem(e.family, cfg.batch, cfg.heads_kv, e.g, cfg.seqlen_q, cfg.seqlen_k, causal=e.causal,
+                             local=e.window != (None, None), varlen=cfg.varlen, flat_kv=flat)
+
+
+def _forcing(route: str):
+    from xattn.core import routes
+
+    return routes.forced_forward(route) if route in routes.FORWARD_ROUTES and route != "fused" else \
+        routes.forced(route)
 
 
 def evaluate(cfg: Config, device="cuda") -> list[Check]:
     """Run ``cfg`` through its front end on every route of :func:`routes_of` (each forced) and compare every
     quantity with fp64 (``tolerance.py``); a drawn refused form is tried first and must raise its named error
     (one more check, ``refusal``). The drop-in front ends are judged by ``forms_harness.py``."""
-    from xattn.core import routes
 
     if cfg.front_end in FORM_FRONT_ENDS:
         from .forms_harness import evaluate_form
@@ -375,7 +396,7 @@ def evaluate(cfg: Config, device="cuda") -> list[Check]:
     dt = DTYPES[cfg.entry.dtype]
     names = routes_of(cfg)
     for route in names:
-        with routes.forced(route):
+        with _forcing(route):
             got = RUNNERS[cfg.front_end](cfg, inp, device)
         _sync(device)
         if ref64 is None:

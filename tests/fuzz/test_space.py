@@ -152,3 +152,20 @@ def test_packed_draws_cover_the_whole_varlen_contract(drawn):
         want = {"fused", "gemm-segments"} | ({"gemm-dense", "gemm-groups", "gemm-groups+fused"} if front_end == "torch"
                                             else {"gemm-padded", "gemm-segments|fused"})
         assert want <= ran, (front_end, want - ran)
+
+
+def test_decoding_draws_force_the_split_route(drawn):
+    """Issue #43: torch's dense draws force the split-KV forward where it can serve, in both families, with a
+    causal tail (causal, 2-16 queries) and with heads-major (HF cache) storage of k and v."""
+    from .harness import routes_of
+
+    split = [c for c in drawn["torch"] if "split-kv" in routes_of(c)]
+    seen = {
+        "ffpa": any(c.entry.family == "ffpa" for c in split),
+        "fa4": any(c.entry.family == "fa4" for c in split),
+        "one query": any(c.seqlen_q == 1 for c in split),
+        "causal tail": any(c.entry.causal and c.seqlen_q > 1 for c in split),
+        "heads-major k/v": any(c.layout("k") == "swapped" for c in split),
+        "batch > 1": any(c.batch > 1 for c in split),
+    }
+    assert all(seen.values()), [k for k, v in seen.items() if not v]
