@@ -14,7 +14,6 @@ The key holds the Python minor version, so run it with the GPU machine's (3.12).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -36,14 +35,9 @@ def specs(recorded=None, fuzz=False):
 
     out = []
     if fuzz:
-        from tests.fuzz.space import launcher_pool
+        from tests.fuzz.space import launcher_pool, split_launchers
 
-        out += launcher_pool()
-        from xattn.core.split_kv import CombineSpec
-        for s in launcher_pool():  # the torch fuzz forces the split-KV forward on dense decoding draws
-            if s.direction == "fwd" and not s.varlen and not s.is_local:
-                out += [dataclasses.replace(s, varlen=True, causal=c) for c in (False, True)]
-                out.append(CombineSpec(s.family, s.dtype, s.head_dim_v))
+        out += launcher_pool() + split_launchers()  # the torch fuzz forces the split-KV forward too
     for row in json.load(open(recorded)) if recorded else []:
         out.append(KernelSpec(**row))
         if row["family"] == "fa4":  # the GPU twins run both dtypes and both passes; FA4 compiles in seconds

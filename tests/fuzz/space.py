@@ -126,6 +126,21 @@ def launcher_pool() -> list[KernelSpec]:
     return [entry.spec(direction) for entry in POOL for direction in ("fwd", "bwd")]
 
 
+def split_launchers() -> list:
+    """The launchers the split-KV forward of the pool's dense entries runs when the torch fuzz forces it: the
+    family's varlen forward (non-causal splits, causal tail) and the combine (:mod:`xattn.core.split_kv`)."""
+    import dataclasses
+
+    from xattn.core.split_kv import CombineSpec
+
+    out = []
+    for s in launcher_pool():
+        if s.direction == "fwd" and not s.varlen and not s.is_local:
+            out += [dataclasses.replace(s, varlen=True, causal=c) for c in (False, True)]
+            out.append(CombineSpec(s.family, s.dtype, s.head_dim_v))
+    return out
+
+
 @dataclass(frozen=True)
 class Limits:
     """Size bounds of drawn shapes. ``max_scores`` bounds sum(B * Hq * Nq * Nk) (the reference's N^2)."""
