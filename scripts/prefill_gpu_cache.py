@@ -111,6 +111,7 @@ def specs(recorded=None, fuzz=False):
             for causal in (False, True):
                 add(family, d, d, g, causal, varlen=True, dtype=dtype, directions=("fwd",))
             out.append(CombineSpec(family, dtype, d))
+    add("fa4", 128, 128, 4, False, varlen=True, window=(64, 0), directions=("fwd",))  # tests/torch/test_kvcache_gpu.py
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

@@ -92,11 +92,32 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
                                    tail_checked, combine))
 
 
+def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths: Tensor):
+    """``(cu_k, tail_cu_k)`` int32 on ``lengths``' device for per-sequence valid keys ``lengths [B]`` (device
+    values, never read on the host): the same documents as :func:`xattn.core.split_kv.split_cu_seqlens`, each
+    sequence's chunk its own (``tail_cu_k`` None without a tail)."""
+    n = lengths.to(torch.int64)
+    base = torch.arange(n.shape[0], device=n.device, dtype=torch.int64) * rows
+    full = n - n.clamp(max=seqlen_q) if plan.tail else n
+    per = plan.splits * split_kv.KEY_TILE
+    chunk = ((full + per - 1) // per).clamp(min=1) * split_kv.KEY_TILE
+    bounds = torch.minimum(torch.arange(plan.splits, device=n.device)[None] * chunk[:, None], full[:, None])
+    edge = (base + full)[:, None]
+    starts = torch.cat([base[:, None] + bounds] + [edge] * (2 if plan.tail else 1), dim=1)  # [B, P + 1] doc starts
+    end = torch.full((1,), key_rows, dtype=torch.int64, device=n.device)
+    cu_k = torch.cat([starts.flatten(), end]).to(torch.int32)
+    if not plan.tail:
+        return cu_k, None
+    zero = torch.zeros(1, dtype=torch.int64, device=n.device)
+    return cu_k, torch.cat([zero, torch.stack([base + full, base + n], dim=1).flatten()]).to(torch.int32)
+
+
 def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor, scale: float, rows: int,
-                  out: Tensor, lse: Tensor) -> None:
+                  out: Tensor, lse: Tensor, lengths: Tensor | None = None) -> None:
     """Write ``out [B, Nq, Hq, Dv]`` and ``lse [B, Hq, Nq]`` (any content before) by the split route: q
     ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` whose sequences start every ``rows`` flat rows
-    (:func:`rows_per_seq`). Every sequence holds Nk valid keys."""
+    (:func:`rows_per_seq`). Sequence b holds its first ``lengths[b]`` keys (int32 ``[B]`` on the device, read
+    only there), or all Nk (``lengths`` None)."""
     b, nq, hq, d = q.shape
     nk, dv = k.shape[1], v.shape[-1]
     p = plan.partials
@@ -104,6 +125,9 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     kf, vf = _flat(k, key_rows), _flat(v, key_rows)
     q_split = q.unsqueeze(1).expand(b, p, nq, hq, d).reshape(b * p * nq, hq, d)
     setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
+    if lengths is not None:  # the documents' keys from the device lengths; the queries' as set up
+        cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, lengths)
+        setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=key_rows, tail_max_k=key_rows)
     if plan.filled:  # every slot has keys: the kernels write every row
         out_p = torch.empty((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
         lse_p = torch.empty((hq, b * p * nq), dtype=torch.float32, device=q.device)

@@ -1,0 +1,138 @@
+"""FlashAttention's ``flash_attn_with_kvcache`` on xattn's kernels: decoding against a KV cache with per-sequence
+valid lengths, appending the new keys and values in place.
+
+Glossary: B batch, Nq new queries per sequence, Nc cache capacity, Nn new keys per sequence, Hq/Hkv heads, D/Dv
+head dims. Sequence b attends to its first ``L_b = cache_seqlens[b] + Nn`` cache rows (after the append); causal
+and windows are bottom-right aligned on them (query i sits at position ``L_b - Nq + i``), as in FlashAttention.
+Served by the route :func:`xattn.core.routes.forward_route` picks: ``split-kv`` (:mod:`xattn.core.split_kv`) or the
+family's fused varlen forward, both over a flat strided view of the caches (no copy of them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from xattn.core import routes
+from xattn.core.checks import Memo
+from xattn.core.split_kv import MAX_PARTIALS
+
+from . import ops, split_kv
+from .attention import _input, _mask_args, _scale, attention_with_lse, default_family
+
+__all__ = ["attention_with_kvcache"]
+
+_CU_Q = Memo(256)  # (B, Nq, device) -> the fused route's cu_seqlens_q (sequence b, then a gap document)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), num_splits=0, return_softmax_lse=False, *,
+                           family: str | None = None, check_inputs: bool | None = None):
+    """FlashAttention's ``flash_attn_with_kvcache`` (its names and layouts; no gradient).
+
+    q ``[B, Nq, Hq, D]``; k_cache/v_cache ``[B, Nc, Hkv, D/Dv]``, any strides with a unit last one (HF's
+    ``[B, Hkv, Nc, D]`` cache transposed reads in place); k/v ``[B, Nn, Hkv, D/Dv]`` (optional): written into the
+    caches in place at rows ``cache_seqlens[b] + j`` before the attention; cache_seqlens: an int or an int32/int64
+    tensor ``[B]`` on q's device (``None``: every cache row is valid, and k/v may not be given).
+    ``num_splits``: 0 auto, 1 the fused kernel, n > 1 that many key splits. Returns out ``[B, Nq, Hq, Dv]``, and
+    lse ``[B, Hq, Nq]`` (fp32, natural log; -inf for a row that sees no key) with ``return_softmax_lse=True``.
+
+    ``cache_seqlens`` values are trusted (reading them would synchronise): a length past ``Nc - Nn`` writes or
+    reads outside the cache. ``check_inputs=True`` (``None``: ``XATTN_CHECK_INPUTS=1``) checks them on the host
+    first and raises ``ValueError`` naming the first bad sequence.
+    """
+    q, k_cache, v_cache = _input("q", q), _input("k_cache", k_cache), _input("v_cache", v_cache)
+    if k_cache.dim() != 4 or q.dim() != 4:
+        raise ValueError(f"q/k_cache: expected [B, Nq, Hq, D] / [B, Nc, Hkv, D], got {tuple(q.shape)} / "
+                         f"{tuple(k_cache.shape)}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
+        raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
+    if cache_seqlens is None:
+        if k is not None or v is not None:
+            raise ValueError("k/v: appending needs cache_seqlens (where each sequence's new rows go)")
+        out, lse = attention_with_lse(q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window_size, family=family, num_splits=num_splits)
+        return (out, lse) if return_softmax_lse else out
+    lengths = _lengths(cache_seqlens, q.shape[0], q.device)
+    if (k is None) != (v is None):
+        raise ValueError("k/v: give both or neither")
+    new = 0 if k is None else k.shape[1]
+    if ops.checking(check_inputs):
+        _check_lengths(lengths, new, k_cache.shape[1])
+    if k is not None:
+        _append(k_cache, v_cache, _input("k", k), _input("v", v), lengths)
+        lengths = lengths + new
+    family = family or default_family(q.shape[-1], v_cache.shape[-1])
+    scale = _scale(softmax_scale, q.shape[-1])
+    causal, left, right = _mask_args(causal, window_size)
+    with torch.no_grad():
+        out, lse = _forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _lengths(cache_seqlens, b: int, device) -> Tensor:
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        return torch.full((b,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.shape != (b,) or \
+            cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cache_seqlens: expected an int or an int32/int64 tensor [B={b}], got "
+                         f"{getattr(cache_seqlens, 'shape', type(cache_seqlens).__name__)}")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens: expected on {device} (as q), got {cache_seqlens.device}")
+    return cache_seqlens.to(torch.int32)
+
+
+def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> None:
+    """Write k/v ``[B, Nn, ..]`` into the caches at rows ``lengths[b] + j`` (device indices, no sync)."""
+    b, new = k.shape[0], k.shape[1]
+    if k.shape[0] != k_cache.shape[0] or k.shape[2:] != k_cache.shape[2:] or v.shape[:2] != k.shape[:2] or \
+            v.shape[2:] != v_cache.shape[2:]:
+        raise ValueError(f"k/v: expected [B, Nn, Hkv, D] matching the caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}, got {tuple(k.shape)} / {tuple(v.shape)}")
+    rows = lengths.to(torch.int64)[:, None] + torch.arange(new, device=k.device)
+    batch = torch.arange(b, device=k.device)[:, None].expand(b, new)
+    k_cache[batch, rows] = k.to(k_cache.dtype)
+    v_cache[batch, rows] = v.to(v_cache.dtype)
+
+
+def _check_lengths(cache_seqlens: Tensor, new: int, capacity: int) -> None:
+    """Checked mode: every length in ``0 .. capacity - new`` (one host copy)."""
+    for i, n in enumerate(cache_seqlens.tolist()):
+        if not 0 <= n <= capacity - new:
+            raise ValueError(f"cache_seqlens[{i}] = {n}: with {new} new rows it must lie in 0-{capacity - new} "
+                             f"(the cache holds {capacity} rows)")
+
+
+def _forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, num_splits):
+    b, nq, hq, _ = q.shape
+    nc, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+    rows = split_kv.rows_per_seq(k_cache, v_cache)
+    if rows is None:
+        raise ValueError("k_cache/v_cache: their strides put the sequences on no common row stride "
+                         "(k_cache.stride(0) must be a multiple of k_cache.stride(1), the same for v_cache)")
+    problem = routes.FwdProblem(family, b, hkv, hq // hkv, nq, nc, causal=causal,
+                                local=left is not None or right is not None, flat_kv=True,
+                                num_sms=split_kv.num_sms(q.device), num_splits=num_splits, traced=True)
+    route = routes.forward_route(problem)
+    out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
+    if route.name == "split-kv":
+        lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+        split_kv.split_forward(route.plan, family, q, k_cache, v_cache, scale, rows, out, lse, lengths)
+        return out, lse
+    key_rows = rows * (b - 1) + nc
+    kf, vf = split_kv._flat(k_cache, key_rows), split_kv._flat(v_cache, key_rows)
+    base = torch.arange(b, device=q.device, dtype=torch.int64) * rows
+    ends = torch.stack([base + lengths, (base + rows).clamp(max=key_rows)], dim=1).flatten()
+    cu_k = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)  # sequence b's keys, then the rows up to b + 1
+    cu_q = _CU_Q.get((b, nq, q.device))
+    if cu_q is None:
+        cu_q = _CU_Q.put((b, nq, q.device), (torch.arange(1, 2 * b + 2, device=q.device) // 2 * nq).to(torch.int32))
+    out_rows = out.view(b * nq, hq, dv)
+    lse_rows = torch.full((hq, b * nq), float("-inf"), dtype=torch.float32, device=q.device)
+    out_rows.zero_()  # FFPA skips a sequence without keys: its rows read as "no key"
+    q_rows = q.reshape(b * nq, hq, q.shape[-1])
+    checked = ops._checked("fwd", family, q_rows, kf, vf, causal, -1 if left is None else left,
+                           -1 if right is None else right, cu_q, cu_k, nq, key_rows)
+    ops.LAUNCH["fwd"](checked, q_rows, kf, vf, out_rows, lse_rows, softmax_scale=scale, cu_seqlens_q=cu_q,
+                      cu_seqlens_k=cu_k, max_seqlen_q=nq, max_seqlen_k=key_rows)
+    return out, lse_rows.view(hq, b, nq).permute(1, 0, 2).contiguous()
