@@ -352,6 +352,19 @@ def test_head_dims_other_than_512_without_kernels_warn_once(no_kernels, caplog):
     assert rel_err(out, _causal_reference(q, k, v, 0.1)) < 1e-2
 
 
+def test_cpu_tensors_on_a_gpu_machine_run_on_the_fallback(monkeypatch, caplog):
+    """NeMo's unit tests hand CPU tensors to the layer on its GPU CI machines: where the kernels run (the probe
+    says yes, a GPU is there, the core's own launchers are in place) a CPU call falls back, once warned."""
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    q, k, v = _qkv(hq=4, hkv=2, n=12, d=64)
+    with caplog.at_level(logging.WARNING, logger=fa.logger.name):
+        for _ in range(2):
+            out, _ = fa.ffpa_attention_forward(_Layer(64), q, k, v, None, scaling=0.1)
+    assert _reasons(caplog) == ["ffpa_unavailable"] and "CUDA tensors" in caplog.records[0].getMessage()
+    assert rel_err(out, _causal_reference(q, k, v, 0.1)) < 1e-2
+
+
 def test_factory_plans_causal_layers_where_nemo_returns_none():
     from transformers import masking_utils as mu
 

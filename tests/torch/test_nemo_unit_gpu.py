@@ -4,10 +4,10 @@ each result against an fp32 reference of fresh random inputs (relative L2 error,
 * ``fa4``: ``document_causal_fa4_attention`` on NeMo's document layouts at NeMo's sizes (512 keys, 4 heads,
   192/128 head dims): one document, packed documents with trailing padding, left padding, query shards at
   256, a shard of padding only, two rows with a one-token document; forward and dq, dk, dv.
-* ``ffpa_attention``: the routes its hooks pick, on CUDA tensors: head dims other than 512 on FA4 (NeMo sends
-  them to SDPA), ``_ffpa_low_level_ready`` False (SDPA), a replaced ``_get_ffpa_high_level`` running NeMo's dense
-  path on the kernels, ``_get_sdpa`` None (HF Gemma 4's eager), and a flex ``BlockMask`` at head dim 512 (NeMo's
-  small FlexAttention tiles).
+* ``ffpa_attention``: the routes its hooks pick: head dims other than 512 on FA4 (NeMo sends them to SDPA),
+  CPU tensors (SDPA), ``_ffpa_low_level_ready`` False (SDPA), a replaced ``_get_ffpa_high_level`` running
+  NeMo's dense path on the kernels, ``_get_sdpa`` None (HF Gemma 4's eager), and a flex ``BlockMask`` at head
+  dim 512 (NeMo's small FlexAttention tiles).
 """
 
 import logging
@@ -94,6 +94,15 @@ def test_head_dims_other_than_512_run_on_fa4(caplog, d):
         out, weights = fa.ffpa_attention_forward(_Layer(d), q, k, v, None, scaling=d ** -0.5)
     assert not _reasons(caplog) and weights is None
     _check_forward_and_grads(out, q, k, v, *_reference(q, k, v, d ** -0.5))
+
+
+def test_cpu_tensors_run_on_the_fallback(caplog):
+    """NeMo's unit tests hand CPU tensors to the layer: on this GPU machine they run on SDPA, warned once."""
+    q, k, v = (t.detach().cpu() for t in _inputs((2, 8, 40, 64), (2, 2, 40, 64), (2, 2, 40, 64), seed=5))
+    with caplog.at_level(logging.WARNING, logger=fa.logger.name):
+        out, _ = fa.ffpa_attention_forward(_Layer(64), q, k, v, None, scaling=0.125)
+    assert _reasons(caplog) == ["ffpa_unavailable"] and out.device.type == "cpu"
+    assert rel_err(out, _reference(q, k, v, 0.125)[0]) < TOL
 
 
 def test_low_level_ready_hook_false_runs_sdpa(monkeypatch, caplog):

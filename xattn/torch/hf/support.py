@@ -17,8 +17,10 @@ import functools
 
 import torch
 
+from xattn.core.api import launch_fwd
 from xattn.core.spec import family_for
 
+from .. import ops
 from . import hooks
 
 __all__ = ["kernels_available", "low_level_ready", "option_reason", "kernel_reason", "fallback_reason",
@@ -81,13 +83,24 @@ def option_reason(module, query, dropout, scaling, softcap, kwargs) -> tuple[str
 
 def kernel_reason(query, value, window) -> tuple[str, str] | None:
     """``("ffpa_unavailable", why)`` when no kernel runs these head dims with ``window`` (bottom-right
-    ``(left, right)``) here, else None. Readiness is ``_ffpa_low_level_ready()``, the facade's hook."""
+    ``(left, right)``) on these tensors here, else None.
+
+    A caller's ``_ffpa_low_level_ready`` (the facade's hook, replaced) decides alone, as in NeMo. Otherwise the
+    kernels must run in this process (:func:`low_level_ready`) and take the tensors: on a machine with a GPU
+    the core's launchers take CUDA tensors only, so a CPU model there runs on the fallback. Where the probe
+    says yes without a GPU, or launchers were put in place of the core's (``xattn.torch.ops.LAUNCH``), the
+    kernels are stand-ins (tests, host-cost tools), which take the CPU's tensors."""
     windowed = is_windowed(window)
     if family_for(query.shape[-1], value.shape[-1], windowed) is None:
         what = "with a sliding window " if windowed else ""
         return "ffpa_unavailable", f"no kernel {what}for head dims {query.shape[-1]}/{value.shape[-1]}"
-    if not (hooks.replaced("_ffpa_low_level_ready") or low_level_ready)():
-        return "ffpa_unavailable", kernels_available() or "_ffpa_low_level_ready() is False"
+    ready = hooks.replaced("_ffpa_low_level_ready")
+    if ready is not None:
+        return None if ready() else ("ffpa_unavailable", "_ffpa_low_level_ready() is False")
+    if not low_level_ready():
+        return "ffpa_unavailable", kernels_available()
+    if query.device.type != "cuda" and torch.cuda.is_available() and ops.LAUNCH["fwd"] is launch_fwd:
+        return "ffpa_unavailable", f"tensors on {query.device}: the kernels take CUDA tensors"
     return None
 
 
