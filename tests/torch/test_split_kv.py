@@ -85,3 +85,26 @@ def test_strides_without_a_common_row_stride_stay_fused():
     out = xt.attention(q, k, k, family="ffpa", num_splits=4)  # auto: the fused kernel
     torch.testing.assert_close(out, ref_attention(q, k, k, scale=0.25)[0], atol=1e-10, rtol=1e-10)
     assert ("combine", "ffpa") not in CALLS
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_device_cu_seqlens_equal_the_core_plan(seed):
+    """The device formulas (no host-to-device copy: capturable) give the core's documents, for plans with one
+    chunk (every sequence full) and with per-sequence chunks (device lengths)."""
+    import random
+
+    from xattn.core import split_kv
+    from xattn.torch.split_kv import device_cu_seqlens_k, device_cu_seqlens_q
+    r = random.Random(seed)
+    b, nq, nk = r.randint(1, 4), r.randint(1, 16), r.randint(1, 5000)
+    rows = nk * r.choice([1, 4])
+    causal, splits = r.random() < 0.5, r.randint(2, 60)
+    static = r.random() < 0.5
+    lengths = [nk] * b if static else [r.randint(0, nk) for _ in range(b)]
+    plan = split_kv.plan_splits(splits, causal, nq, nk if static else None)
+    key_rows = rows * (b - 1) + nk
+    want = split_kv.split_cu_seqlens(plan, nq, rows, lengths, key_rows)
+    cu_q, tail_q = device_cu_seqlens_q(plan, b, nq, "cpu")
+    cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, torch.tensor(lengths))
+    got = [cu_q.tolist(), cu_k.tolist(), tail_q.tolist() if plan.tail else [], tail_k.tolist() if plan.tail else []]
+    assert got == [list(x) for x in want]

@@ -78,10 +78,13 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     if hit is not None:
         return hit
     b, nq = q.shape[0], q.shape[1]
-    cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, kf.shape[0])
+    _, cu_k, _, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, kf.shape[0])  # host: the maxima
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
-    as_dev = lambda cu: torch.tensor(cu, dtype=torch.int32, device=q.device) if cu else None  # noqa: E731
-    cu_q_d, cu_k_d, tail_q_d, tail_k_d = (as_dev(cu) for cu in (cu_q, cu_k, tail_q, tail_k))
+    # the device copies by device arithmetic, never a host-to-device copy: a first call inside CUDA-graph
+    # capture (a new cache length under torch.compile's CUDA graphs) must not copy from pageable memory
+    cu_q_d, tail_q_d = device_cu_seqlens_q(plan, b, nq, q.device)
+    cu_k_d, tail_k_d = device_cu_seqlens_k(plan, nq, rows, kf.shape[0],
+                                           torch.full((b,), nk, dtype=torch.int32, device=q.device))
     checked = ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k))
     tail_checked = None
     if plan.tail:
@@ -92,15 +95,27 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
                                    tail_checked, combine))
 
 
+def device_cu_seqlens_q(plan: SplitPlan, batch: int, seqlen_q: int, device):
+    """``(cu_q, tail_cu_q)`` int32 on ``device``, as :func:`xattn.core.split_kv.split_cu_seqlens` (``P`` slots of
+    Nq queries then a gap per sequence; the tail launch: a gap then Nq queries)."""
+    p = plan.partials
+    j = torch.arange(batch * (p + 1) + 1, device=device)
+    cu_q = ((j - j // (p + 1)) * seqlen_q).to(torch.int32)
+    if not plan.tail:
+        return cu_q, None
+    return cu_q, (torch.arange(2 * batch + 1, device=device) // 2 * seqlen_q).to(torch.int32)
+
+
 def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths: Tensor):
     """``(cu_k, tail_cu_k)`` int32 on ``lengths``' device for per-sequence valid keys ``lengths [B]`` (device
     values, never read on the host): the same documents as :func:`xattn.core.split_kv.split_cu_seqlens`, each
-    sequence's chunk its own (``tail_cu_k`` None without a tail)."""
+    sequence's chunk ``plan.chunk`` or, for a plan without one, its own (``tail_cu_k`` None without a tail)."""
     n = lengths.to(torch.int64)
     base = torch.arange(n.shape[0], device=n.device, dtype=torch.int64) * rows
     full = n - n.clamp(max=seqlen_q) if plan.tail else n
     per = plan.splits * split_kv.KEY_TILE
-    chunk = ((full + per - 1) // per).clamp(min=1) * split_kv.KEY_TILE
+    chunk = ((full + per - 1) // per).clamp(min=1) * split_kv.KEY_TILE if not plan.chunk else \
+        torch.full_like(full, plan.chunk)
     bounds = torch.minimum(torch.arange(plan.splits, device=n.device)[None] * chunk[:, None], full[:, None])
     edge = (base + full)[:, None]
     starts = torch.cat([base[:, None] + bounds] + [edge] * (2 if plan.tail else 1), dim=1)  # [B, P + 1] doc starts
