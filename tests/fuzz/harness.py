@@ -336,8 +336,8 @@ def refusal_check(cfg: Config, run) -> Check:
 def routes_of(cfg: Config) -> list[str]:
     """The routes ``cfg`` runs, forced one by one: every backward route that can serve it as its front end
     describes the problem (``torch``: host document lengths; ``jax``: traced ones), or the drawn option
-    ``route``; ``["fused"]`` for the core front ends (the fused kernels, called directly); then, for torch,
-    the forward route ``split-kv`` where it can serve (a decoding forward, :mod:`xattn.core.split_kv`)."""
+    ``route``; ``["fused"]`` for the core front ends (the fused kernels, called directly); then, for torch and
+    JAX, the forward route ``split-kv`` where it can serve (a decoding forward, :mod:`xattn.core.split_kv`)."""
     from xattn.core import routes
 
     if cfg.opt("route"):
@@ -355,18 +355,19 @@ def routes_of(cfg: Config) -> list[str]:
         problem = routes.BwdProblem(**base, kind="traced", slots=cfg.batch, max_seqlen_q=cfg.seqlen_q,
                                     max_seqlen_k=cfg.seqlen_k, same_segments=bool(cfg.opt("same_cu")))
     names = list(routes.serving_routes(problem))
-    if cfg.front_end == "torch" and routes.why_not_forward("split-kv", _forward_problem(cfg)) is None:
+    if cfg.front_end in ("torch", "jax") and routes.why_not_forward("split-kv", _forward_problem(cfg)) is None:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
     return names
 
 
 def _forward_problem(cfg: Config):
     """The forward as :func:`xattn.core.routes.forward_route` sees it; ``flat_kv`` from the drawn k/v storage
-    (one row stride between sequences: only the heads-major "swapped" storage changes it)."""
+    (one row stride between sequences: only torch's heads-major "swapped" storage changes it; JAX arrays are
+    compact)."""
     from xattn.core import routes
 
     e = cfg.entry
-    flat = cfg.batch <= 1 or (cfg.layout("k") == "swapped") == (cfg.layout("v") == "swapped")
+    flat = cfg.front_end == "jax" or cfg.batch <= 1 or (cfg.layout("k") == "swapped") == (cfg.layout("v") == "swapped")
     return routes.FwdProblem(e.family, cfg.batch, cfg.heads_kv, e.g, cfg.seqlen_q, cfg.seqlen_k, causal=e.causal,
                              local=e.window != (None, None), varlen=cfg.varlen, flat_kv=flat)
 

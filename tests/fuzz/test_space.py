@@ -169,3 +169,6 @@ def test_decoding_draws_force_the_split_route(drawn):
         "batch > 1": any(c.batch > 1 for c in split),
     }
     assert all(seen.values()), [k for k, v in seen.items() if not v]
+    jax_split = [c for c in drawn["jax"] if "split-kv" in routes_of(c)]
+    assert {c.entry.family for c in jax_split} == {"ffpa", "fa4"} and any(c.seqlen_q > 1 and c.entry.causal
+                                                                          for c in jax_split)

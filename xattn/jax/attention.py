@@ -69,6 +69,10 @@ class Config:
     # backward is traced (a bad value never breaks a forward): a change retraces instead of reusing a backward
     # traced with the old route
     bwd_route: tuple = field(default_factory=lambda: (routes.requested(), gemm_bwd_plan.budget_setting()))
+    # XATTN_FWD_ROUTE (or routes.forced_forward) as set when the call was made; num_splits: FlashAttention's
+    # (0 auto, 1 off, n > 1 splits) for the split-KV forward route (xattn.core.split_kv)
+    fwd_route: str = field(default_factory=routes.requested_forward)
+    num_splits: int = 0
     # the kernels' rules (dtype, head dims, sizes) apply whatever the backend; False only for
     # backend="reference" asked for by name (the pure-jnp yardstick: any head dim, float32 too)
     kernel_rules: bool = True
@@ -148,9 +152,26 @@ def _fwd_call(cfg: Config, q, k, v):
     b, nq, hq, _ = q.shape
     if _no_launch(q, k):  # rows that see no key: out 0, lse -inf
         return jnp.zeros((b, nq, hq, v.shape[-1]), q.dtype), jnp.full((b, hq, nq), -jnp.inf, jnp.float32)
+    route = _fwd_route(cfg, spec, q, k)
+    if route.name == "split-kv":
+        from .split_kv import split_forward
+
+        return split_forward(cfg, route.plan, q, k, v)
     outs = [("out", (b, nq, hq, v.shape[-1]), q.dtype), ("lse", (b, hq, nq), "float32")]
     out, lse = _ffi.call(spec, [q, k, v], outs, [], cfg.scale)
     return out, lse
+
+
+def _fwd_route(cfg: Config, spec: KernelSpec, q, k) -> routes.Route:
+    """The forward route of a dense call (:func:`xattn.core.routes.forward_route`; static shapes: trace time)."""
+    from .split_kv import num_sms
+
+    b, nq, hq, _ = q.shape
+    problem = routes.FwdProblem(spec.family, b, k.shape[2], spec.qhead_per_kvhead, nq, k.shape[1], causal=spec.causal,
+                                local=spec.is_local, num_sms=num_sms(), num_splits=cfg.num_splits)
+    route = routes.forward_route(problem, cfg.fwd_route)
+    _log.debug("xattn forward route %s: %s", route.name, route.reason)
+    return route
 
 
 def _bwd_setup(cfg: Config, q, k, v):

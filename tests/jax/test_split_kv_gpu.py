@@ -1,0 +1,60 @@
+"""xattn.jax's split-KV forward on the GPU with the real kernels (XLA FFI, under jit): against the fp32
+reference and against the fused kernel of the same call, as close to the reference within one more bf16
+rounding of the partials; the rule's own choice at Gemma-4-31B's global layer; gradients through it."""
+
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+import xattn.jax as xj  # noqa: E402
+from xattn.core import routes  # noqa: E402
+
+
+def _qkv(seed, b, nq, hq, hkv, nk, d):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(k1, (b, nq, hq, d), jnp.bfloat16), jax.random.normal(k2, (b, nk, hkv, d), jnp.bfloat16),
+            jax.random.normal(k3, (b, nk, hkv, d), jnp.bfloat16))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("fn, b, nq, hq, hkv, nk, d, causal", [
+    pytest.param(xj.ffpa_attention, 1, 1, 32, 4, 9000, 512, True, id="d512-B1-q1"),
+    pytest.param(xj.ffpa_attention, 2, 4, 32, 4, 4100, 512, True, id="d512-B2-q4-causal-tail"),
+    pytest.param(xj.flash_attention, 2, 1, 32, 8, 12000, 128, True, id="d128-B2-q1"),
+    pytest.param(xj.flash_attention, 1, 3, 32, 16, 7001, 256, False, id="d256-q3"),
+])
+def test_split_vs_reference_and_fused(fn, b, nq, hq, hkv, nk, d, causal):
+    q, k, v = _qkv(nk, b, nq, hq, hkv, nk, d)
+    kern = jax.jit(lambda q, k, v: fn(q, k, v, causal=causal, backend="kernel"))
+    with routes.forced_forward("split-kv"):
+        split = jax.jit(lambda q, k, v: fn(q, k, v, causal=causal, backend="kernel"))(q, k, v)
+    with routes.forced_forward("fused"):
+        fused = kern(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = fn(*f32, causal=causal, backend="reference")
+    assert _rel(split, ref) < 2 * _rel(fused, ref) + 2e-3
+
+
+def test_rule_splits_at_the_issue_shape_and_gradients_flow():
+    q, k, v = _qkv(5, 1, 1, 32, 4, 32768, 512)
+    problem = routes.FwdProblem("ffpa", 1, 4, 8, 1, 32768, causal=True)
+    assert routes.forward_route(problem, "auto").name == "split-kv"
+    loss = lambda f: (lambda q, k, v: (f(q, k, v).astype(jnp.float32) ** 2).sum())  # noqa: E731
+    kern = lambda q, k, v: xj.ffpa_attention(q, k, v, causal=True, backend="kernel")  # noqa: E731
+    ref = lambda q, k, v: xj.ffpa_attention(q, k, v, causal=True, backend="reference")  # noqa: E731
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert _rel(jax.jit(kern)(q, k, v), ref(*f32)) < 1e-2
+    for a, w in zip(jax.jit(jax.grad(loss(kern), argnums=(0, 1, 2)))(q, k, v),
+                    jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)):
+        assert _rel(a, w) < 2e-2

@@ -1,0 +1,73 @@
+"""The ``split-kv`` forward route in JAX (decoding under ``jit``): the family's varlen forward over key splits
+through XLA FFI, merged by lse in jnp (XLA fuses the merge; fp32 accumulation, as the combine kernel the torch
+front end runs). How and why: :mod:`xattn.core.split_kv` (glossary there); when:
+:func:`xattn.core.routes.forward_route`, decided at trace time from static shapes.
+
+JAX arrays are compact, so k/v ``[B, Nk, Hkv, D]`` reshape to the flat key view ``[B Nk, Hkv, D]`` for free
+(R = Nk); ``q_split [B*P*Nq, Hq, D]`` is one broadcast copy of q; the cu_seqlens are trace-time constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from xattn.core import split_kv
+from xattn.core.device import cuda_gpus
+from xattn.core.split_kv import SplitPlan
+
+from . import _ffi
+
+__all__ = ["split_forward", "num_sms"]
+
+
+def num_sms() -> int:
+    """The SM count of the first GPU (132, an H200's, on a machine without one: the CPU stand-ins decide as
+    the H200 would)."""
+    gpus = cuda_gpus()
+    return gpus[0].num_sms if gpus else 132
+
+
+def _varlen(cfg, causal: bool, q, k, v, cu_q, cu_k, max_q: int, max_k: int):
+    """One varlen forward launch: ``(out [T, Hq, Dv], lse [Hq, T])``, pre-filled 0 / -inf where the spec says."""
+    c = dataclasses.replace(cfg, causal=causal, window=(None, None))
+    spec = c.spec("fwd", q, k, v, cu_q, cu_k, max_q, max_k)
+    outs = [("out", (q.shape[0], q.shape[1], v.shape[-1]), q.dtype), ("lse", (q.shape[1], q.shape[0]), "float32")]
+    out, lse = _ffi.call(spec, [q, k, v, cu_q, cu_k], outs, [], c.scale, vmap_method="sequential")
+    return out, lse
+
+
+def split_forward(cfg, plan: SplitPlan, q, k, v):
+    """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of a dense call by the split route; every sequence holds
+    all Nk keys. ``cfg``: the call's :class:`xattn.jax.attention.Config`."""
+    b, nq, hq, d = q.shape
+    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    p = plan.partials
+    kf, vf = k.reshape(b * nk, hkv, d), v.reshape(b * nk, hkv, dv)
+    cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, nk, [nk] * b, b * nk)
+    longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
+    const = lambda cu: jnp.asarray(np.asarray(cu, dtype=np.int32))  # noqa: E731
+    q_split = jnp.broadcast_to(q[:, None], (b, p, nq, hq, d)).reshape(b * p * nq, hq, d)
+    out_p, lse_p = _varlen(cfg, False, q_split, kf, vf, const(cu_q), const(cu_k), nq, longest(cu_k))
+    out_p, lse_p = out_p.reshape(b, p, nq, hq, dv), lse_p.reshape(hq, b, p, nq)
+    if plan.tail:
+        out_t, lse_t = _varlen(cfg, True, q.reshape(b * nq, hq, d), kf, vf, const(tail_q), const(tail_k), nq,
+                               longest(tail_k))
+        out_p = out_p.at[:, p - 1].set(out_t.reshape(b, nq, hq, dv))
+        lse_p = lse_p.at[:, :, p - 1].set(lse_t.reshape(hq, b, nq))
+    return merge(out_p, lse_p, q.dtype)
+
+
+def merge(out_p, lse_p, dtype):
+    """The combine: ``out_p [B, P, Nq, Hq, Dv]``, ``lse_p [Hq, B, P, Nq]`` (fp32) -> ``(out [B, Nq, Hq, Dv]`` in
+    ``dtype``, ``lse [B, Hq, Nq])``; a row no slot reaches gets out 0, lse -inf."""
+    top = jnp.max(lse_p, axis=2, keepdims=True)
+    top = jnp.where(jnp.isneginf(top), 0.0, top)
+    weight = jnp.exp(lse_p - top)  # [Hq, B, P, Nq]; 0 for empty slots
+    total = jnp.sum(weight, axis=2)  # [Hq, B, Nq]
+    lse = jnp.log(total) + top[:, :, 0]  # -inf where every slot is empty
+    norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    out = jnp.einsum("hbpn,bpnhd->bnhd", weight * norm[:, :, None], out_p.astype(jnp.float32))
+    return out.astype(dtype), jnp.transpose(lse, (1, 0, 2))
