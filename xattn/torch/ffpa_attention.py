@@ -40,8 +40,7 @@ and runs); layers on FFPA (head_dim 320-512) and every forward are bitwise repro
 :mod:`xattn.torch.attention`).
 """
 
-from .hf import fallback as _fallback, hooks as _hooks, registry as _registry, sdpa_layout as _sdpa_layout
-from .hf import support as _support
+from .hf import fallback as _fallback, registry as _registry, sdpa_layout as _sdpa_layout, support as _support
 from .hf.fallback import FALLBACK_WARNED as _FALLBACK_WARNED, logger, warn_once as _warn_once
 from .hf.fallback import get_eager as _get_eager, get_flex as _get_flex, get_sdpa as _get_sdpa
 from .hf.mask_factory import ffpa_mask
@@ -56,9 +55,6 @@ from .hf.support import low_level_ready as _ffpa_low_level_ready
 
 __all__ = ["ffpa_attention_forward", "ffpa_mask", "register_ffpa_attention", "setup_ffpa_backend", "_ffpa_dense_fwd",
            "_ffpa_dense_bwd"]
-
-
-_hooks.remember(globals())  # this module's own hooks: anything else put in their place later is a caller's
 
 
 def __getattr__(name: str):

@@ -65,6 +65,7 @@ def _attribute_now(module_name: str, name: str):
     return getattr(module, name, None)
 
 
+@hooks.default("_get_sdpa")
 def get_sdpa():
     """HF's ``sdpa_attention_forward`` (NeMo's ``_get_sdpa``), or None without transformers."""
     global _SDPA_FN
@@ -72,6 +73,7 @@ def get_sdpa():
     return _SDPA_FN
 
 
+@hooks.default("_get_flex")
 def get_flex():
     """HF's ``flex_attention_forward`` (NeMo's ``_get_flex``), or None where transformers or FlexAttention is
     missing."""
@@ -80,6 +82,7 @@ def get_flex():
     return _FLEX_FN
 
 
+@hooks.default("_get_eager")
 def get_eager():
     """HF Gemma 4's ``eager_attention_forward`` (NeMo's ``_get_eager``): the eager function of layers whose
     modeling file has none; None where transformers has no Gemma 4."""

@@ -11,7 +11,8 @@ replace them there, ``monkeypatch.setattr(ffpa_attention, "_get_sdpa", fake)`` o
 
 xattn's routing asks :func:`replaced` for each one when it needs it, so a replacement on the facade takes
 effect on the next call. Without one the implementation module's own function runs, as that module holds it
-now (xattn's tests replace those). The cost per call is a dict lookup and an attribute lookup; nothing is
+now (xattn's tests replace those). Each default says which hook it is where it is defined (:func:`default`),
+so the facade stays imports only. The cost per call is a dict lookup and an attribute lookup; nothing is
 imported.
 """
 
@@ -19,17 +20,24 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["FACADE", "HOOKS", "remember", "replaced"]
+__all__ = ["FACADE", "HOOKS", "default", "replaced"]
 
 FACADE = "xattn.torch.ffpa_attention"
 HOOKS = ("_get_sdpa", "_get_eager", "_get_flex", "_is_block_mask", "_ffpa_low_level_ready", "_get_ffpa_high_level",
          "register_ffpa_attention")
-_PUBLISHED: dict[str, object] = {}  # what the facade published under each hook name, when it was imported
+_PUBLISHED: dict[str, object] = {}  # xattn's own function under each hook name: what the facade imports
 
 
-def remember(namespace: dict) -> None:
-    """Record the facade's own hooks (its globals at import): anything else found there later is a replacement."""
-    _PUBLISHED.update({name: namespace[name] for name in HOOKS})
+def default(name: str):
+    """Decorator: the function is xattn's own for hook ``name`` (the facade publishes it); anything else found
+    under that name on the facade later is a caller's replacement."""
+    if name not in HOOKS:
+        raise ValueError(f"{name!r} is not one of NeMo's hooks {HOOKS}")
+
+    def mark(fn):
+        _PUBLISHED[name] = fn
+        return fn
+    return mark
 
 
 def replaced(name: str):

@@ -24,6 +24,7 @@ def nemo_state() -> dict:
     return {"_REGISTERED": _REGISTERED}
 
 
+@hooks.default("register_ffpa_attention")
 def register_ffpa_attention() -> bool:
     """Register ``"ffpa"`` in HF's ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent).
 

@@ -47,6 +47,7 @@ def _block_mask_type() -> type | None:
     return BlockMask
 
 
+@hooks.default("_is_block_mask")
 def is_block_mask(mask) -> bool:
     """True for a flex ``BlockMask``: that layer runs on FlexAttention."""
     if mask is None or isinstance(mask, (KernelMask, PlannedMask)):

@@ -15,7 +15,7 @@ import torch
 
 from ..attention import attention, attention_with_lse, default_family
 from ..ops import bwd as bwd_op
-from . import support
+from . import hooks, support
 
 __all__ = ["dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd", "varlen_ready", "high_level",
            "sdpa_on_kernels", "nemo_state", "FFPA_HEAD_DIM", "VARLEN_WIN_NONE"]
@@ -59,6 +59,7 @@ def sdpa_on_kernels(query, key, value, attn_mask=None, dropout_p: float = 0.0, i
     return out.transpose(1, 2)
 
 
+@hooks.default("_get_ffpa_high_level")
 def high_level():
     """``(sdpa_like_fn, backend)``: the differentiable SDPA-signature function (:func:`sdpa_on_kernels`) and
     ``xattn.core``, or ``(None, None)`` where the kernels cannot run."""

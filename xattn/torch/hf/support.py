@@ -49,6 +49,7 @@ def is_windowed(window) -> bool:
     return window not in ((None, None), (None, 0))
 
 
+@hooks.default("_ffpa_low_level_ready")
 def low_level_ready() -> bool:
     """Whether the FFPA kernels can run in this process (NeMo's ``_ffpa_low_level_ready``)."""
     global _FFPA_LOW_LEVEL_READY
