@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.reference import attention as ref_attention, rel_err  # noqa: E402
 from xattn.torch import fa4, ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf import fallback, hooks, support  # noqa: E402
+from xattn.torch.hf import fallback, support  # noqa: E402
 
 from . import stubs  # noqa: E402
 from .fa4_reference import document_causal_mask, sdpa_reference  # noqa: E402
@@ -92,6 +92,8 @@ def _causal_reference(q, k, v, scale):
 # --- hooks: a replacement on the facade is what the next call uses ----------------------------------------
 
 def test_the_facade_holds_xattns_own_hooks_until_replaced(monkeypatch):
+    from xattn.torch.hf import hooks
+
     for name in hooks.HOOKS:
         assert callable(getattr(fa, name)) and hooks.replaced(name) is None, name
     monkeypatch.setattr(fa, "_get_flex", lambda: None)
