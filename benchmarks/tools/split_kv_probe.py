@@ -42,7 +42,7 @@ def splits(d=512, b=1, nq=1, hq=32, hkv=4, nk=9000, s=4):
     v = torch.randn_like(k)
     plan = split_kv.plan_splits(s, False, nq, nk)
     p = plan.partials
-    kf, vf = tsk._flat(k, nk * b), tsk._flat(v, nk * b)
+    kf, vf = tsk.flat_keys(k, nk * b), tsk.flat_keys(v, nk * b)
     q_split = q.unsqueeze(1).expand(b, p, nq, hq, d).reshape(b * p * nq, hq, d)
     setup = tsk._setup(plan, "ffpa", q_split, q, kf, vf, nk, nk)
     cu_q, cu_k = setup.cu_q, setup.cu_k

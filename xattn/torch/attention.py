@@ -41,7 +41,7 @@ def default_family(head_dim: int, head_dim_v: int | None = None) -> str:
     return family_for(head_dim, head_dim_v) or ("ffpa" if head_dim > 256 else "fa4")
 
 
-def _input(name: str, t) -> torch.Tensor:
+def as_input(name: str, t) -> torch.Tensor:
     """A torch tensor, made contiguous in its last dim where it is not (as FlashAttention's
     ``maybe_contiguous``): the kernels read rows with unit stride."""
     if not isinstance(t, torch.Tensor):
@@ -49,11 +49,11 @@ def _input(name: str, t) -> torch.Tensor:
     return t.contiguous() if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1 else t
 
 
-def _scale(softmax_scale, head_dim: int) -> float:
+def checked_scale(softmax_scale, head_dim: int) -> float:
     return check_scale(softmax_scale, head_dim=head_dim, convert=True)  # a 0-d tensor too
 
 
-def _mask_args(causal, window_size):
+def mask_args(causal, window_size):
     if not isinstance(causal, (int, np_bool)):  # bool, or 0/1 as FlashAttention takes it; never a string
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     return canonical_mask(bool(causal), *check_window(window_size))
@@ -76,10 +76,10 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
     ``num_splits`` (FlashAttention's): 0 lets :func:`xattn.core.routes.forward_route` decide whether a
     decoding forward (dense q with at most 16 queries per sequence, no window) splits the keys over CTAs
     (``split-kv``: :mod:`xattn.core.split_kv`), 1 never splits, n > 1 asks for n splits (at most 127)."""
-    q, k, v = _input("q", q), _input("k", k), _input("v", v)
+    q, k, v = as_input("q", q), as_input("k", k), as_input("v", v)
     family = family or default_family(q.shape[-1] if q.dim() else 0, v.shape[-1] if v.dim() else 0)
-    scale = _scale(softmax_scale, q.shape[-1] if q.dim() else 0)
-    causal, left, right = _mask_args(causal, window_size)
+    scale = checked_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    causal, left, right = mask_args(causal, window_size)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
         raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
     varlen = cu_seqlens_q is not None

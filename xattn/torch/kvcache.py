@@ -18,7 +18,7 @@ from xattn.core.checks import Memo
 from xattn.core.split_kv import MAX_PARTIALS
 
 from . import ops, split_kv
-from .attention import _input, _mask_args, _scale, attention_with_lse, default_family
+from .attention import as_input, attention_with_lse, checked_scale, default_family, mask_args
 
 __all__ = ["attention_with_kvcache"]
 
@@ -41,7 +41,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     reads outside the cache. ``check_inputs=True`` (``None``: ``XATTN_CHECK_INPUTS=1``) checks them on the host
     first and raises ``ValueError`` naming the first bad sequence.
     """
-    q, k_cache, v_cache = _input("q", q), _input("k_cache", k_cache), _input("v_cache", v_cache)
+    q, k_cache, v_cache = as_input("q", q), as_input("k_cache", k_cache), as_input("v_cache", v_cache)
     if k_cache.dim() != 4 or q.dim() != 4:
         raise ValueError(f"q/k_cache: expected [B, Nq, Hq, D] / [B, Nc, Hkv, D], got {tuple(q.shape)} / "
                          f"{tuple(k_cache.shape)}")
@@ -60,11 +60,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if ops.checking(check_inputs):
         _check_lengths(lengths, new, k_cache.shape[1])
     if k is not None:
-        _append(k_cache, v_cache, _input("k", k), _input("v", v), lengths)
+        _append(k_cache, v_cache, as_input("k", k), as_input("v", v), lengths)
         lengths = lengths + new
     family = family or default_family(q.shape[-1], v_cache.shape[-1])
-    scale = _scale(softmax_scale, q.shape[-1])
-    causal, left, right = _mask_args(causal, window_size)
+    scale = checked_scale(softmax_scale, q.shape[-1])
+    causal, left, right = mask_args(causal, window_size)
     with torch.no_grad():
         out, lse = _forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, num_splits)
     return (out, lse) if return_softmax_lse else out
@@ -120,7 +120,7 @@ def _forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, n
         split_kv.split_forward(route.plan, family, q, k_cache, v_cache, scale, rows, out, lse, lengths)
         return out, lse
     key_rows = rows * (b - 1) + nc
-    kf, vf = split_kv._flat(k_cache, key_rows), split_kv._flat(v_cache, key_rows)
+    kf, vf = split_kv.flat_keys(k_cache, key_rows), split_kv.flat_keys(v_cache, key_rows)
     base = torch.arange(b, device=q.device, dtype=torch.int64) * rows
     ends = torch.stack([base + lengths, (base + rows).clamp(max=key_rows)], dim=1).flatten()
     cu_k = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)  # sequence b's keys, then the rows up to b + 1

@@ -20,7 +20,7 @@ from xattn.core.split_kv import CombineSpec, SplitPlan
 
 from . import ops
 
-__all__ = ["rows_per_seq", "split_forward", "num_sms"]
+__all__ = ["rows_per_seq", "flat_keys", "split_forward", "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k"]
 
 _SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
@@ -51,7 +51,7 @@ def rows_per_seq(k: Tensor, v: Tensor) -> int | None:
     return rows[0] if rows[0] == rows[1] else None
 
 
-def _flat(t: Tensor, key_rows: int) -> Tensor:
+def flat_keys(t: Tensor, key_rows: int) -> Tensor:
     """``[R (B-1) + Nk, H, D]``: every sequence's keys on one row stride, a view of ``t`` (module docstring)."""
     return t.as_strided((key_rows, t.shape[2], t.shape[3]), (t.stride(1), t.stride(2), t.stride(3)),
                         t.storage_offset())
@@ -137,7 +137,7 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     nk, dv = k.shape[1], v.shape[-1]
     p = plan.partials
     key_rows = rows * (b - 1) + nk
-    kf, vf = _flat(k, key_rows), _flat(v, key_rows)
+    kf, vf = flat_keys(k, key_rows), flat_keys(v, key_rows)
     q_split = q.unsqueeze(1).expand(b, p, nq, hq, d).reshape(b * p * nq, hq, d)
     setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
     if lengths is not None:  # the documents' keys from the device lengths; the queries' as set up
