@@ -66,3 +66,46 @@ def test_fused_when_asked():
     with routes.forced_forward("fused"):
         jax.block_until_ready(ja.ffpa_attention(q, k, v, causal=True, backend="kernel"))
     assert numpy_launcher.CALLS == [f"fwd:{q.shape}"]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_jnp_cu_seqlens_equal_the_core_plan(seed):
+    """The traced-lengths bounds (jnp) give the core's documents."""
+    import random
+
+    from xattn.core import split_kv as core
+    from xattn.jax.split_kv import device_cu_seqlens_k
+    r = random.Random(seed)
+    b, nq, nk = r.randint(1, 4), r.randint(1, 16), r.randint(1, 5000)
+    causal, splits = r.random() < 0.5, r.randint(2, 60)
+    lengths = [r.randint(0, nk) for _ in range(b)]
+    plan = core.plan_splits(splits, causal, nq, None)
+    _, cu_k, _, tail_k = core.split_cu_seqlens(plan, nq, nk, lengths, b * nk)
+    got, got_tail = device_cu_seqlens_k(plan, nq, nk, b * nk, jnp.asarray(lengths))
+    assert got.tolist() == cu_k and (got_tail.tolist() if plan.tail else []) == tail_k
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_dot_product_attention_with_key_value_seq_lengths_splits(jit):
+    """jax.nn's decoding spelling (one query, the cache, key_value_seq_lengths) on the split route, forced, with
+    gradients through the varlen backward; rows with no key give out 0 (xattn's rule)."""
+    from xattn.jax import dot_product_attention
+
+    q, k, v = _inputs(3, 1, 8, 2, 600, 512, seed=9)
+    lengths = jnp.asarray([0, 1, 517], jnp.int32)
+
+    def run(backend):
+        def loss(q, k, v):
+            out = dot_product_attention(q, k, v, key_value_seq_lengths=lengths, backend=backend)
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+    with routes.forced_forward("split-kv"):
+        fn = run("kernel")
+        (_, out), grads = jax.block_until_ready((jax.jit(fn) if jit else fn)(q, k, v))
+    assert any(c.startswith("fwd:(") and c.split(",")[0] != "fwd:(3" for c in numpy_launcher.CALLS)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    (_, want), want_grads = run("reference")(f32(q), f32(k), f32(v))
+    assert float(jnp.max(jnp.abs(f32(out) - want))) < 2e-2 and float(jnp.max(jnp.abs(f32(out[0])))) == 0.0
+    for g, w in zip(grads, want_grads):
+        assert float(jnp.max(jnp.abs(f32(g) - w))) < 2e-2 * max(1.0, float(jnp.max(jnp.abs(w))))

@@ -28,9 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from xattn.core import routes
 from xattn.core.spec import FA4_HEAD_DIMS, canonical_mask, family_for
 
 from .attention import RESIDUAL_NAMES, Config, backward_call, forward_call, check_dense, resolve_backend, static_scale
+from . import split_kv
 from .varlen import VarlenConfig, varlen_backward_call, varlen_forward_call
 
 __all__ = ["dot_product_attention"]
@@ -132,6 +134,30 @@ def _with_lse_bwd(cfg, res, cts):
 _with_lse.defvjp(_with_lse_fwd, _with_lse_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _split_with_lse(cfg, plan, q, k, v, kv_len):
+    """``(out, lse)`` of each row's first ``kv_len`` keys by the split-KV forward (:mod:`xattn.jax.split_kv`);
+    the backward is the varlen one of the same rows (:func:`_row_segments`) from that out and lse."""
+    return split_kv.split_forward(cfg, plan, q, k, v, lengths=kv_len)
+
+
+def _split_with_lse_fwd(cfg, plan, q, k, v, kv_len):
+    out, lse = _split_with_lse(cfg, plan, q, k, v, kv_len)
+    return (out, lse), (q, k, v, out, lse, kv_len)
+
+
+def _split_with_lse_bwd(cfg, plan, res, cts):
+    q, k, v, out, lse, kv_len = res
+    (b, t, n, _), s = q.shape, k.shape[1]
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    grads = varlen_backward_call(VarlenConfig(cfg, t, s), flat(cts[0]), flat(q), flat(k), flat(v), flat(out),
+                                 lse.transpose(1, 0, 2).reshape(n, b * t), *_row_segments(kv_len, b, t, s))
+    return (*(g.reshape(x.shape) for g, x in zip(grads, (q, k, v))), None)
+
+
+_split_with_lse.defvjp(_split_with_lse_fwd, _split_with_lse_bwd)
+
+
 # --- top-left masks on bottom-right kernels ------------------------------------------------
 
 def _bounds(causal: bool, window):
@@ -197,8 +223,13 @@ def _row_segments(kv_len, b: int, t: int, s: int):
 
 
 def _varlen(q, k, v, kv_len, family: str, scale: float):
-    """Unmasked attention over each row's first ``kv_len`` keys: ``(out [B, T, N, Hv], lse [B, N, T])``."""
+    """Unmasked attention over each row's first ``kv_len`` keys: ``(out [B, T, N, Hv], lse [B, N, T])``; a decoding
+    call (T <= 16) on the split-KV route where :func:`xattn.core.routes.forward_route` picks it."""
     (b, t, n, _), s = q.shape, k.shape[1]
+    problem = routes.FwdProblem(family, b, k.shape[2], n // k.shape[2], t, s, num_sms=split_kv.num_sms(), traced=True)
+    route = routes.forward_route(problem)
+    if route.name == "split-kv":  # rows with no key see key 0 here too (the caller zeroes them): lse stays finite
+        return _split_with_lse(Config(family, scale), route.plan, q, k, v, jnp.clip(kv_len, 1, s).astype(jnp.int32))
     cu_q, cu_k = _row_segments(kv_len, b, t, s)
     flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
     out, lse = _with_lse(VarlenConfig(Config(family, scale), t, s), *flat, cu_q, cu_k)

@@ -20,7 +20,7 @@ from xattn.core.split_kv import SplitPlan
 
 from . import _ffi
 
-__all__ = ["split_forward", "num_sms"]
+__all__ = ["split_forward", "num_sms", "device_cu_seqlens_k"]
 
 
 def num_sms() -> int:
@@ -39,9 +39,29 @@ def _varlen(cfg, causal: bool, q, k, v, cu_q, cu_k, max_q: int, max_k: int):
     return out, lse
 
 
-def split_forward(cfg, plan: SplitPlan, q, k, v):
-    """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of a dense call by the split route; every sequence holds
-    all Nk keys. ``cfg``: the call's :class:`xattn.jax.attention.Config`."""
+def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths):
+    """``(cu_k, tail_cu_k)`` int32 from traced per-sequence valid keys ``lengths [B]``: the documents of
+    :func:`xattn.core.split_kv.split_cu_seqlens`, each sequence's chunk ``plan.chunk`` or its own
+    (``tail_cu_k`` None without a tail)."""
+    n = jnp.asarray(lengths).astype(jnp.int32)
+    base = jnp.arange(n.shape[0], dtype=jnp.int32) * rows
+    full = n - jnp.minimum(n, seqlen_q) if plan.tail else n
+    per = plan.splits * split_kv.KEY_TILE
+    chunk = jnp.full_like(full, plan.chunk) if plan.chunk else \
+        jnp.maximum((full + per - 1) // per, 1) * split_kv.KEY_TILE
+    bounds = jnp.minimum(jnp.arange(plan.splits, dtype=jnp.int32)[None] * chunk[:, None], full[:, None])
+    edge = (base + full)[:, None]
+    starts = jnp.concatenate([base[:, None] + bounds] + [edge] * (2 if plan.tail else 1), axis=1)
+    cu_k = jnp.concatenate([starts.reshape(-1), jnp.full((1,), key_rows, jnp.int32)])
+    if not plan.tail:
+        return cu_k, None
+    return cu_k, jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.stack([base + full, base + n], 1).reshape(-1)])
+
+
+def split_forward(cfg, plan: SplitPlan, q, k, v, lengths=None):
+    """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of a dense call by the split route: sequence b holds its
+    first ``lengths[b]`` keys (int ``[B]``, traced; clipped to ``[0, Nk]``), or all Nk (``None``). ``cfg``: the
+    call's :class:`xattn.jax.attention.Config`."""
     b, nq, hq, d = q.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     p = plan.partials
@@ -49,12 +69,16 @@ def split_forward(cfg, plan: SplitPlan, q, k, v):
     cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, nk, [nk] * b, b * nk)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
     const = lambda cu: jnp.asarray(np.asarray(cu, dtype=np.int32))  # noqa: E731
+    max_k, tail_max_k = longest(cu_k), longest(tail_k)
+    cu_k, tail_k = const(cu_k), const(tail_k) if tail_k else None
+    if lengths is not None:  # the documents' keys from the traced lengths; the queries' as planned
+        cu_k, tail_k = device_cu_seqlens_k(plan, nq, nk, b * nk, jnp.clip(jnp.asarray(lengths), 0, nk))
+        max_k = tail_max_k = b * nk
     q_split = jnp.broadcast_to(q[:, None], (b, p, nq, hq, d)).reshape(b * p * nq, hq, d)
-    out_p, lse_p = _varlen(cfg, False, q_split, kf, vf, const(cu_q), const(cu_k), nq, longest(cu_k))
+    out_p, lse_p = _varlen(cfg, False, q_split, kf, vf, const(cu_q), cu_k, nq, max_k)
     out_p, lse_p = out_p.reshape(b, p, nq, hq, dv), lse_p.reshape(hq, b, p, nq)
     if plan.tail:
-        out_t, lse_t = _varlen(cfg, True, q.reshape(b * nq, hq, d), kf, vf, const(tail_q), const(tail_k), nq,
-                               longest(tail_k))
+        out_t, lse_t = _varlen(cfg, True, q.reshape(b * nq, hq, d), kf, vf, const(tail_q), tail_k, nq, tail_max_k)
         out_p = out_p.at[:, p - 1].set(out_t.reshape(b, nq, hq, dv))
         lse_p = lse_p.at[:, :, p - 1].set(lse_t.reshape(hq, b, nq))
     return merge(out_p, lse_p, q.dtype)
