@@ -58,3 +58,20 @@ def test_rule_splits_at_the_issue_shape_and_gradients_flow():
     for a, w in zip(jax.jit(jax.grad(loss(kern), argnums=(0, 1, 2)))(q, k, v),
                     jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)):
         assert _rel(a, w) < 2e-2
+
+
+def test_dot_product_attention_decoding_with_lengths():
+    """jax.nn's decoding spelling on the kernels: one query, the cache, key_value_seq_lengths (traced under jit);
+    the rule splits (B 2, d512 Hq32/Hkv4, 9000-key cache) and the result and gradients match the fp32 reference."""
+    q, k, v = _qkv(11, 2, 1, 32, 4, 9000, 512)
+    lengths = jnp.asarray([8999, 1500], jnp.int32)
+    problem = routes.FwdProblem("ffpa", 2, 4, 8, 1, 9000, traced=True)
+    assert routes.forward_route(problem, "auto").name == "split-kv"
+
+    def loss(backend):
+        return lambda q, k, v: (xj.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, backend=backend)
+                                .astype(jnp.float32) ** 2).sum()
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    for a, w in zip(jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, k, v),
+                    jax.grad(loss("reference"), argnums=(0, 1, 2))(*f32)):
+        assert _rel(a, w) < 2e-2
