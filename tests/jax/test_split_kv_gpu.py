@@ -75,3 +75,21 @@ def test_dot_product_attention_decoding_with_lengths():
     for a, w in zip(jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, k, v),
                     jax.grad(loss("reference"), argnums=(0, 1, 2))(*f32)):
         assert _rel(a, w) < 2e-2
+
+
+@pytest.mark.parametrize("route", ["split-kv", "fused"])
+def test_attention_with_kvcache_both_routes(route):
+    """xattn.jax.attention_with_kvcache under jit with donated caches: the append and per-sequence lengths (0
+    included) on the kernels, against the jnp reference of the same call."""
+    q, kc, vc = _qkv(21, 3, 1, 32, 4, 6000, 512)
+    kn, vn = (x[:, :1] for x in _qkv(22, 3, 1, 4, 4, 1, 512)[1:])
+    seq = jnp.asarray([0, 2500, 5998], jnp.int32)
+    ref_out, ref_k, _ = xj.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seq, causal=True,
+                                                  backend="reference")
+    with routes.forced_forward(route):
+        step = jax.jit(lambda q, k_cache, v_cache, kn, vn, seq: xj.attention_with_kvcache(
+            q, k_cache, v_cache, kn, vn, cache_seqlens=seq, causal=True, backend="kernel"),
+            donate_argnames=("k_cache", "v_cache"))
+        out, k2, _ = step(q, jnp.array(kc, copy=True), jnp.array(vc, copy=True), kn, vn, seq)
+    assert jnp.array_equal(k2, ref_k)
+    assert _rel(out, ref_out) < 1e-2
