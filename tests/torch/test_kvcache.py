@@ -103,3 +103,31 @@ def test_named_errors():
         xt.attention_with_kvcache(q, k_cache, k_cache, kn, None, cache_seqlens=3, family="ffpa")
     with pytest.raises(ValueError, match="num_splits"):
         xt.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=3, family="ffpa", num_splits=500)
+
+
+@pytest.mark.parametrize("nq", [1, 3])
+def test_hf_static_cache_decode_takes_the_split_route(monkeypatch, nq):
+    """HF "ffpa" with a StaticCache (its fill a device tensor): the plan's per-row lengths reach the decoding
+    route (xattn::fwd_lengths, split-KV here), the keys read in place from HF's [B, Hkv, Nc, D] cache; the output
+    equals SDPA with HF's own mask."""
+    from transformers import masking_utils as mu
+
+    from xattn.torch import ffpa_attention as fa
+    from xattn.torch.hf import support
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    b, hq, hkv, nc, d, filled = 2, 8, 2, 1024, 128, 700
+    g = torch.Generator().manual_seed(nq)
+    q = torch.randn(b, hq, nq, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(b, hkv, nc, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    mask = fa.ffpa_mask(b, nq, nc, q_offset=torch.tensor(filled - nq), mask_function=mu.causal_mask_function)
+    assert mask.plan.lengths.tolist() == [filled] * b
+    out, _ = fa.ffpa_attention_forward(Layer(), q, k, v, mask, scaling=d ** -0.5)
+    assert ("combine", "fa4") in CALLS
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
+                                                            v.double().repeat_interleave(4, 1),
+                                                            attn_mask=mask.plan.sdpa_mask(), scale=d ** -0.5)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), atol=2e-2, rtol=2e-2)

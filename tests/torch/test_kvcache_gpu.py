@@ -72,3 +72,28 @@ def test_kvcache_decode_steps_under_a_cuda_graph():
         lengths = [n + 1 for n in seqlens.tolist()]
         ref_out, _ = _reference(q, k_cache, v_cache, lengths, True, (None, None))
         assert rel_err(out, ref_out) < 1e-2, t
+
+
+@pytest.mark.parametrize("nq", [1, 3])
+def test_hf_static_cache_decode_on_the_split_route(nq):
+    """HF "ffpa" with a StaticCache fill (a device tensor) on the real kernels: the plan's per-row lengths take
+    xattn::fwd_lengths (split-KV at this size), reading HF's [B, Hkv, Nc, D] cache in place; vs fp64 SDPA with
+    HF's own mask."""
+    from transformers import masking_utils as mu
+
+    from xattn.torch import ffpa_attention as fa
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator(device="cuda").manual_seed(nq)
+    b, hq, hkv, nc, d, filled = 2, 32, 4, 8192, 512, 6000
+    q = _rand(g, b, hq, nq, d)
+    k, v = _rand(g, b, hkv, nc, d), _rand(g, b, hkv, nc, d)
+    mask = fa.ffpa_mask(b, nq, nc, q_offset=torch.tensor(filled - nq, device="cuda"),
+                        mask_function=mu.causal_mask_function)
+    out, _ = fa.ffpa_attention_forward(Layer(), q, k, v, mask, scaling=d ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(8, 1), v.double().repeat_interleave(8, 1),
+        attn_mask=mask.plan.sdpa_mask(), scale=d ** -0.5)
+    assert rel_err(out, want.transpose(1, 2)) < 1e-2

@@ -20,7 +20,7 @@ from xattn.core.split_kv import MAX_PARTIALS
 from . import ops, split_kv
 from .attention import as_input, attention_with_lse, checked_scale, default_family, mask_args
 
-__all__ = ["attention_with_kvcache"]
+__all__ = ["attention_with_kvcache", "lengths_forward"]
 
 _CU_Q = Memo(256)  # (B, Nq, device) -> the fused route's cu_seqlens_q (sequence b, then a gap document)
 
@@ -66,7 +66,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     scale = checked_scale(softmax_scale, q.shape[-1])
     causal, left, right = mask_args(causal, window_size)
     with torch.no_grad():
-        out, lse = _forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, num_splits)
+        out, lse = lengths_forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, num_splits)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -103,7 +103,11 @@ def _check_lengths(cache_seqlens: Tensor, new: int, capacity: int) -> None:
                              f"(the cache holds {capacity} rows)")
 
 
-def _forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, num_splits):
+def lengths_forward(q, k_cache, v_cache, lengths, family: str, scale: float, causal: bool, left, right,
+                    num_splits: int = 0):
+    """``(out [B, Nq, Hq, Dv], lse [B, Hq, Nq])`` of q on each sequence's first ``lengths[b]`` cache rows (int32
+    ``[B]`` on the device), on the route :func:`xattn.core.routes.forward_route` picks; window sides None =
+    unbounded. The body of :func:`attention_with_kvcache` and of the ``xattn::fwd_lengths`` op (no gradient)."""
     b, nq, hq, _ = q.shape
     nc, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     rows = split_kv.rows_per_seq(k_cache, v_cache)

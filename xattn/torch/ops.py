@@ -33,7 +33,7 @@ from xattn.core.workspace import bwd_workspace_shapes
 from . import split_kv as torch_split_kv
 from .varlen_check import check_cu_seqlens, checking
 
-__all__ = ["fwd", "bwd", "attention_op"]
+__all__ = ["fwd", "bwd", "fwd_lengths", "attention_op"]
 
 _log = logging.getLogger("xattn")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -182,6 +182,24 @@ def _fwd_fake(q, k, v, family, softmax_scale, causal, window_left, window_right,
               max_seqlen_q, max_seqlen_k, num_splits=0):
     out_shape, lse_shape = _fwd_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("xattn::fwd_lengths", mutates_args=())
+def fwd_lengths(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, family: str, softmax_scale: float, causal: bool,
+                window_left: int, window_right: int, num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    """Forward of q ``[B, Nq, Hq, D]`` on each sequence's first ``lengths[b]`` rows of k/v ``[B, Nk, Hkv, D]``
+    (int32 ``[B]`` on the device; any k/v strides with one row stride between sequences): ``(out, lse)``, no
+    gradient. What HF's static-cache decode runs (:mod:`xattn.torch.kvcache`); window sides -1 = unbounded."""
+    from .kvcache import lengths_forward
+
+    return lengths_forward(q, k, v, lengths, family, softmax_scale, causal, None if window_left < 0 else window_left,
+                           None if window_right < 0 else window_right, num_splits)
+
+
+@fwd_lengths.register_fake
+def _fwd_lengths_fake(q, k, v, lengths, family, softmax_scale, causal, window_left, window_right, num_splits=0):
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
+                                                                   dtype=torch.float32)
 
 
 def _alert_not_deterministic(op: str) -> None:

@@ -30,7 +30,9 @@ class KernelMask:
     (segment of a) call on keys ``kv_start:kv_stop`` (the others are invisible to every query).
     ``cu_seqlens_q/k`` (int32 on the device, ``max_seqlen_q/k`` ints) make the call varlen over
     ``[B * Nq]`` queries and ``[B * Nk]`` keys (Nk = the kept key range): the key segments tile the keys
-    (zero-query segments skip padding), so no gather is needed. ``sdpa_mask()`` is the exact 4D
+    (zero-query segments skip padding), so no gather is needed. ``lengths`` (a static cache: row b's queries on
+    its first ``lengths[b]`` keys, the rest a segment without queries) lets a decoding call take the
+    split-KV route (:func:`xattn.torch.ops.fwd_lengths`). ``sdpa_mask()`` is the exact 4D
     bool mask ``[B, 1, Nq, Nk]`` that SDPA would use (for layers that fall back); once it is written in
     place, :meth:`edited` is True and the plan no longer describes it.
     """
@@ -52,6 +54,7 @@ class KernelMask:
     _source: KernelMask | None = field(default=None, repr=False)  # the plan this one slices (its SDPA mask too)
     _aliases: list = field(default_factory=list, repr=False)  # (tensor, _version) of what shares the SDPA mask
     _written: bool = field(default=False, repr=False)
+    lengths: torch.Tensor | None = None  # int32 [B] on the device: each row's valid keys (one segment per row)
 
     ndim = 4  # HF's mask preprocessing reads a prepared mask's rank (generate() hands it back in)
 

@@ -267,7 +267,7 @@ def plan_hf_mask(pattern: Pattern, batch_size: int, q_length: int, kv_length: in
             filled, keys = plan.pop("filled"), plan.pop("keys")
             # keys past the last query's diagonal are invisible: only the padding of the filled slots counts
             if keep is None or bool((keep | (keys >= filled)).all()):
-                return KernelMask(**sizes, **plan)
+                return KernelMask(**sizes, **plan, lengths=filled.expand(batch_size).to(torch.int32))
         base = int(base)  # padding, documents or keys right of the diagonal: plan on the host (one sync)
     if keep is not None and keeps_every_key(keep, padding_mask):
         keep = None

@@ -28,7 +28,7 @@ import torch
 from xattn.core.spec import family_for
 
 from .. import cp_group
-from ..ops import attention_op
+from ..ops import attention_op, fwd_lengths
 from . import fallback, hooks, support
 from .call_plan import layer_window, padding_layout, padding_plan, padding_sdpa_mask, plan_call
 from .context_parallel import run_sharded
@@ -72,13 +72,17 @@ def _check_inputs(query, key, value, scaling) -> None:
 
 
 def attention(q, k, v, *, family: str, softmax_scale: float, causal: bool, window_size, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+              cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, lengths=None):
     """The kernels' op (:func:`xattn.torch.ops.attention_op`) on ``[B, N, H, D]`` / packed ``[T, H, D]`` views;
     returns out. The call's scale and window were checked once, before this (``scaling`` by
     :func:`_check_inputs` and :func:`support.fallback_reason`, a positive finite float; the window is the plan's,
     the kernels' canonical form), so the public entry's checks
-    (:func:`xattn.torch.attention.attention_with_lse`) are not run a second time."""
+    (:func:`xattn.torch.attention.attention_with_lse`) are not run a second time. ``lengths`` (int32 ``[B]``,
+    dense views, no gradient): each row's first ``lengths[b]`` keys, on :func:`xattn.torch.ops.fwd_lengths`."""
     left, right = window_size
+    if lengths is not None:
+        return fwd_lengths(q, k, v, lengths, family, softmax_scale, causal, -1 if left is None else left,
+                           -1 if right is None else right)[0]
     return attention_op(q, k, v, family, softmax_scale, causal, -1 if left is None else left,
                         -1 if right is None else right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)[0]
 
@@ -98,6 +102,8 @@ def _run_kernels(plan: KernelMask, query, key, value, scaling):
               family=family_for(query.shape[-1], value.shape[-1], windowed))
     if not plan.varlen:
         return attention(q, k, v, **kw)
+    if plan.lengths is not None and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+        return attention(q, k, v, lengths=plan.lengths, **kw)  # a static cache: the decoding route (split-KV)
     b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
     out = attention(q.reshape(b * nq, *q.shape[2:]), k.reshape(b * nk, *k.shape[2:]),
                     v.reshape(b * nk, *v.shape[2:]), cu_seqlens_q=plan.cu_seqlens_q,
