@@ -88,3 +88,11 @@ def test_combine_spec_names_a_disk_cache_entry():
     from xattn.core import disk_cache
     stem = disk_cache.entry_stem(split_kv.CombineSpec("ffpa", "bfloat16", 512))
     assert re.match(disk_cache._STEM, stem), stem
+
+
+def test_info_lists_the_forward_route_rule(monkeypatch):
+    lines = routes.forward_table()
+    assert any("split-kv" in x for x in lines) and any("XATTN_FWD_ROUTE=auto" in x for x in lines)
+    monkeypatch.setenv("XATTN_FWD_ROUTE", "fastest")
+    with pytest.raises(ValueError, match="fastest"):
+        routes.forward_table()

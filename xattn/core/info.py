@@ -57,16 +57,17 @@ def collect() -> dict:
         "target_arch": target_arch(),
         "families": families,
         "disk_cache": _cache_state(),
-        "d512_backward": _bwd_routes(),
+        "d512_backward": _routes("route_table"),
+        "forward": _routes("forward_table"),
     }
 
 
-def _bwd_routes() -> list[str]:
+def _routes(table: str) -> list[str]:
     from . import routes
 
     try:
-        return routes.route_table()
-    except ValueError as e:  # a bad XATTN_BWD_ROUTE / budget: say so instead of failing info
+        return getattr(routes, table)()
+    except ValueError as e:  # a bad XATTN_BWD_ROUTE / XATTN_FWD_ROUTE / budget: say so instead of failing info
         return [str(e)]
 
 
@@ -95,5 +96,6 @@ def report(data: dict | None = None) -> str:
         comp = "yes" if st["can_compile"] else f"no - {st['why_not_compile']}"
         lines.append(f"{fam:5s} run here: {run}")
         lines.append(f"{'':5s} compile here: {comp}")
+    lines += [f"forward: {x}" for x in d.get("forward", [])]
     lines += [f"d512 backward: {x}" for x in d.get("d512_backward", [])]
     return "\n".join(lines)

@@ -52,7 +52,8 @@ from .spec import KernelSpec
 from .workspace import bwd_workspace_shapes
 
 __all__ = ["FORWARD_ROUTES", "BACKWARD_ROUTES", "REQUESTS", "Route", "BwdProblem", "FwdProblem", "requested",
-           "forced", "forced_forward", "requested_forward", "forward_route", "why_not_forward", "backward_route",
+           "forced", "forced_forward", "requested_forward", "forward_route", "why_not_forward", "forward_table",
+           "backward_route",
            "serving_routes", "why_not", "may_take_gemm", "min_keys_for",
            "MIN_KEYS_BY_GROUP", "route_table", "packed_layout", "equal_documents", "split_short_groups",
            "varlen_workspace_bytes", "segments_take_gemms", "PADDED_MAX_FILL"]
@@ -386,6 +387,17 @@ def _auto_refusal(p: BwdProblem, uncovered: str | None) -> str | None:
                     f"than {PADDED_MAX_FILL}x the {p.total_q} / {p.total_k} tokens (lengths are traced), and the "
                     "segmented route needs cu_seqlens_q is cu_seqlens_k")
     return None
+
+
+def forward_table() -> list[str]:
+    """Human-readable lines of the forward routes, for ``python -m xattn info``."""
+    request = requested_forward()
+    if request not in FWD_REQUESTS:
+        raise ValueError(f"XATTN_FWD_ROUTE={request!r}: expected one of {FWD_REQUESTS}")
+    return [f"decoding (dense q, <= {split_kv.MAX_DECODE_QUERIES} queries per sequence, no window): split-kv with "
+            f"the most splits that keep one wave of CTAs (at most keys/{split_kv.MIN_KEYS_PER_SPLIT} and "
+            f"{split_kv.MAX_PARTIALS - 1}) where that is 2 or more, else fused; num_splits overrides (0 auto, 1 off)",
+            f"XATTN_FWD_ROUTE={request} (one of {', '.join(FWD_REQUESTS)})"]
 
 
 def route_table() -> list[str]:
