@@ -15,3 +15,12 @@ def gemm_standin():
     numpy_gemm.CALLS.clear()
     yield
     _ffi.set_launcher_provider(None)
+
+
+@pytest.fixture
+def launcher_calls(gemm_standin):
+    """:func:`gemm_standin`, with ``numpy_launcher.CALLS`` (the stand-in launches, in order) starting empty."""
+    from tests.jax import numpy_launcher
+
+    numpy_launcher.CALLS.clear()
+    yield numpy_launcher.CALLS

@@ -12,11 +12,7 @@ from tests.jax import numpy_launcher  # noqa: E402
 from xattn.core import routes  # noqa: E402
 from xattn.jax import attention as ja  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def standins(gemm_standin):
-    numpy_launcher.CALLS.clear()
-    yield
+pytestmark = pytest.mark.usefixtures("launcher_calls")
 
 
 def _inputs(b, nq, hq, hkv, nk, d, seed):
