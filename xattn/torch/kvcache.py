@@ -22,6 +22,7 @@ from .attention import as_input, attention_with_lse, checked_scale, default_fami
 
 __all__ = ["attention_with_kvcache", "lengths_forward"]
 
+_ROUTES = Memo(256)  # the call's sizes and knobs -> its forward Route
 _CU_Q = Memo(256)  # (B, Nq, device) -> the fused route's cu_seqlens_q (sequence b, then a gap document)
 
 
@@ -114,10 +115,14 @@ def lengths_forward(q, k_cache, v_cache, lengths, family: str, scale: float, cau
     if rows is None:
         raise ValueError("k_cache/v_cache: their strides put the sequences on no common row stride "
                          "(k_cache.stride(0) must be a multiple of k_cache.stride(1), the same for v_cache)")
-    problem = routes.FwdProblem(family, b, hkv, hq // hkv, nq, nc, causal=causal,
-                                local=left is not None or right is not None, flat_kv=True,
-                                num_sms=split_kv.num_sms(q.device), num_splits=num_splits, traced=True)
-    route = routes.forward_route(problem)
+    request = routes.requested_forward()
+    key = (family, b, hkv, hq, nq, nc, causal, left, right, num_splits, request, q.device)
+    route = _ROUTES.get(key)  # a decode loop asks every step: the sizes alone decide
+    if route is None:
+        problem = routes.FwdProblem(family, b, hkv, hq // hkv, nq, nc, causal=causal,
+                                    local=left is not None or right is not None, flat_kv=True,
+                                    num_sms=split_kv.num_sms(q.device), num_splits=num_splits, traced=True)
+        route = _ROUTES.put(key, routes.forward_route(problem, request))
     out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
     if route.name == "split-kv":
         lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
