@@ -9,6 +9,7 @@ do_bench flushes the L2 cache between runs). Impls:
 
 * ``xattn``: the route :func:`xattn.core.routes.forward_route` picks (``split-kv`` where the rule splits);
 * ``xattn-fused``: ``num_splits=1``, the fused kernel (the route before #43);
+* ``xattn-sN``: ``num_splits=N`` (a sweep of the split count);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]`` layout with
   ``enable_gqa`` (at q_len 1 causal is no mask).
 
@@ -63,7 +64,8 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
         fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=nq > 1, enable_gqa=True)  # noqa: E731
         row.update(route="sdpa", splits=None)
     else:
-        num_splits = 1 if impl == "xattn-fused" else 0
+        fixed = {"xattn": 0, "xattn-fused": 1}
+        num_splits = fixed[impl] if impl in fixed else int(impl.removeprefix("xattn-s"))
         fn = lambda: xt.attention(q, k, v, causal=True, num_splits=num_splits)  # noqa: E731
         route = routes.forward_route(routes.FwdProblem(family, b, hkv, hq // hkv, nq, nk, causal=True,
                                                        num_sms=num_sms(q.device), num_splits=num_splits), "auto")
@@ -93,7 +95,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="d512,d256,d128")
     ap.add_argument("--caches", default="8192,32768,131072")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--impls", default="xattn,xattn-fused,sdpa")
+    ap.add_argument("--impls", default="xattn,xattn-fused,sdpa", help="also xattn-sN: num_splits=N (a sweep)")
+    ap.add_argument("--q-lens", default=None, help="queries per sequence (default: 1, and 4 for d512)")
     args = ap.parse_args()
     import torch
 
@@ -102,7 +105,7 @@ def main() -> None:
         family, d, hq, hkv = SHAPES[name]
         for b in map(int, args.batches.split(",")):
             for nk in map(int, args.caches.split(",")):
-                for nq in ((1, 4) if d == 512 else (1,)):
+                for nq in (map(int, args.q_lens.split(",")) if args.q_lens else (1, 4) if d == 512 else (1,)):
                     for impl in args.impls.split(","):
                         if impl == "sdpa" and d == 512 and b > 1:
                             continue  # SDPA's d512 path is the math one: slow; the B1 rows say enough

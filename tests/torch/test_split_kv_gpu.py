@@ -62,17 +62,39 @@ def test_auto_route_at_the_issue_shape_splits_and_matches():
     assert rel_err(out, ref_out) < 1e-2
 
 
-def test_split_kv_under_a_cuda_graph():
-    """Captured once (after a warm-up that builds the cu_seqlens), replayed on new values in the same buffers."""
-    q, k, v = _decode(2, 1, 32, 4, 8192, 512, "contiguous", seed=11)
+@pytest.mark.parametrize("nq", [1, 4], ids=["q1", "q4-causal-tail-on-a-side-stream"])
+def test_split_kv_under_a_cuda_graph(nq):
+    """Captured once (after a warm-up that builds the cu_seqlens), replayed on new values in the same buffers;
+    with Nq > 1 the causal tail is a branch of the graph (its second stream)."""
+    q, k, v = _decode(2, nq, 32, 4, 8192, 512, "contiguous", seed=11)
     xt.attention(q, k, v, causal=True, num_splits=16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = xt.attention(q, k, v, causal=True, num_splits=16)
     for seed in (12, 13):
-        fresh = _decode(2, 1, 32, 4, 8192, 512, "contiguous", seed=seed)
+        fresh = _decode(2, nq, 32, 4, 8192, 512, "contiguous", seed=seed)
         for dst, src in zip((q, k, v), fresh):
             dst.copy_(src)
         graph.replay()
         ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
         assert rel_err(out, ref_out) < 1e-2
+
+
+def test_causal_tail_orders_its_stream_after_the_callers():
+    """On a caller's own stream, right after a long kernel and the write of the last keys: the tail (on the
+    route's second stream) must see them, and the caller's stream must see the tail's slot before it reads out."""
+    q, k, v = _decode(1, 4, 32, 4, 16384, 512, "contiguous", seed=21)
+    fresh = _decode(1, 4, 32, 4, 16384, 512, "contiguous", seed=22)
+    busy = torch.randn(8192, 8192, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(4):
+            busy = busy @ busy / 8192 ** 0.5  # keeps the stream busy for milliseconds
+        k[:, -4:].copy_(fresh[1][:, -4:])  # the tail's keys
+        v[:, -4:].copy_(fresh[2][:, -4:])
+        out = xt.attention(q, k, v, causal=True, num_splits=8)
+        got = out.float().clone()
+    torch.cuda.synchronize()
+    ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
+    assert rel_err(got, ref_out) < 1e-2

@@ -9,6 +9,7 @@ launch. The keys are read in place through a flat strided view of k and v (no co
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,42 @@ def flat_keys(t: Tensor, key_rows: int) -> Tensor:
     """``[R (B-1) + Nk, H, D]``: every sequence's keys on one row stride, a view of ``t`` (module docstring)."""
     return t.as_strided((key_rows, t.shape[2], t.shape[3]), (t.stride(1), t.stride(2), t.stride(3)),
                         t.storage_offset())
+
+
+_STREAMS: dict = {}
+
+
+class _Side:
+    """A second CUDA stream of ``device`` for work beside the current one (no-op off CUDA): ``fork()`` runs
+    its block there after the work enqueued so far, ``after_main()`` also after what the current stream
+    enqueued since, ``join()`` makes the current stream wait for it. Captures into CUDA graphs as a branch."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.stream = _STREAMS.get(device.index)
+            if self.stream is None:
+                self.stream = _STREAMS[device.index] = torch.cuda.Stream(device)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def fork(self):
+        return self.after_main()
+
+    @contextlib.contextmanager
+    def after_main(self):
+        if not self.cuda:
+            yield
+            return
+        self.stream.wait_stream(self.main)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        if self.cuda:
+            self.main.wait_stream(self.stream)
 
 
 class _Setup(NamedTuple):
@@ -149,15 +186,22 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     else:  # empty slots are skipped by FFPA: they must read as "no key" (0, -inf)
         out_p = torch.zeros((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
         lse_p = torch.full((hq, b * p * nq), float("-inf"), dtype=torch.float32, device=q.device)
+    side = _Side(q.device) if plan.tail else None
+    if side:  # the causal tail runs beside the splits: its few CTAs take SMs the splits leave idle
+        out_t = torch.empty((b * nq, hq, dv), dtype=q.dtype, device=q.device)
+        lse_t = torch.empty((hq, b * nq), dtype=torch.float32, device=q.device)
+        with side.fork():
+            out_t.zero_()
+            lse_t.fill_(float("-inf"))
+            ops.LAUNCH["fwd"](setup.tail_checked, q.reshape(b * nq, hq, d), kf, vf, out_t, lse_t,
+                              softmax_scale=scale, cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k,
+                              max_seqlen_q=nq, max_seqlen_k=setup.tail_max_k)
     ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_p, lse_p, softmax_scale=scale, cu_seqlens_q=setup.cu_q,
                       cu_seqlens_k=setup.cu_k, max_seqlen_q=nq, max_seqlen_k=setup.max_k)
-    if plan.tail:
-        out_t = torch.zeros((b * nq, hq, dv), dtype=q.dtype, device=q.device)
-        lse_t = torch.full((hq, b * nq), float("-inf"), dtype=torch.float32, device=q.device)
-        ops.LAUNCH["fwd"](setup.tail_checked, q.reshape(b * nq, hq, d), kf, vf, out_t, lse_t, softmax_scale=scale,
-                          cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
-                          max_seqlen_k=setup.tail_max_k)
-        out_p.view(b, p, nq, hq, dv)[:, p - 1].copy_(out_t.view(b, nq, hq, dv))
-        lse_p.view(hq, b, p, nq)[:, :, p - 1].copy_(lse_t.view(hq, b, nq))
+    if side:  # the tail's slot once the splits are written (their launch gives it no key), then join
+        with side.after_main():
+            out_p.view(b, p, nq, hq, dv)[:, p - 1].copy_(out_t.view(b, nq, hq, dv))
+            lse_p.view(hq, b, p, nq)[:, :, p - 1].copy_(lse_t.view(hq, b, nq))
+        side.join()
     ops.LAUNCH["combine"](setup.combine, out_p.view(b, p, nq, hq, dv).permute(1, 0, 2, 3, 4),
                           lse_p.view(hq, b, p, nq).permute(2, 1, 3, 0), out, lse.permute(0, 2, 1))
