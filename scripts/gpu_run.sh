@@ -9,6 +9,7 @@
 #                $OUT/results/full_h200.json, continuing benchmarks/results/full_h200.json if committed
 #                (rows of the part already measured are kept: a part cut short resumes)
 #   redo-PART    the same, but the part's earlier rows are dropped and measured anew
+#   split-kernels  benchmarks/tools/split_kv_probe.py kernels (CUDA time per kernel of one split-KV call; SPLIT_PROBE_SHAPES)
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
 #   e2e-PART     benchmarks/e2e_gemma4.py --parts PART (torch or jax) -> $OUT/results/e2e_gemma4_h200.json, continuing
@@ -75,6 +76,8 @@ for step in "$@"; do
     cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;
     redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
+    split-kernels) timeout "$t" python benchmarks/tools/split_kv_probe.py kernels 2>&1 | grep --line-buffered -v Warning \
+              | tee -a "$OUT/steps.log" | tail -60 ;;
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
     e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -70 ;;

@@ -3,6 +3,11 @@ partials, the split launch alone (partials vs fp64 per slot), then the whole rou
 process (an illegal address ends a CUDA context) with CUDA_LAUNCH_BLOCKING=1.
 
     python benchmarks/tools/split_kv_probe.py [STEP]   # STEP: combine | splits | route (default: all three)
+    python benchmarks/tools/split_kv_probe.py kernels  # CUDA time per kernel of one call (SPLIT_PROBE_SHAPES)
+
+``kernels`` profiles the decode shapes ``SPLIT_PROBE_SHAPES`` (``d,hq,hkv,b,nq,nk,num_splits;...``, default the
+d512 B1 32k q_len 1 and 4 rows and d128 B1 8k) with torch.profiler: 20 eager calls after a warm-up, the
+CUDA time of every kernel per call, to see where a split call's time goes beside the split launch.
 """
 
 import os
@@ -66,6 +71,33 @@ def route():
     out = xt.attention(q, k, k, causal=True, num_splits=4)
     torch.cuda.synchronize()
     print("route: out err", (out.double() - attention(q, k, k, scale=512 ** -0.5)[0]).abs().max().item(), flush=True)
+
+
+def kernels():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import xattn.torch as xt
+    shapes = os.environ.get("SPLIT_PROBE_SHAPES", "512,32,4,1,1,32768,0;512,32,4,1,4,32768,0;128,32,8,1,1,8192,0")
+    for shape in shapes.split(";"):
+        d, hq, hkv, b, nq, nk, splits = map(int, shape.split(","))
+        q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        call = lambda: xt.attention(q, k, v, causal=True, num_splits=splits)  # noqa: E731
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        calls = 20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        rows = [(e.device_time_total / calls, e.count // calls, e.key) for e in prof.key_averages()
+                if e.device_time_total > 0]
+        print(f"== d{d} Hq{hq}/Hkv{hkv} B{b} Nq{nq} Nk{nk} num_splits={splits}: "
+              f"{sum(r[0] for r in rows):.1f} us of kernels per call", flush=True)
+        for us, n, name in sorted(rows, reverse=True):
+            print(f"  {us:8.1f} us  x{n}  {name[:110]}", flush=True)
 
 
 if __name__ == "__main__":

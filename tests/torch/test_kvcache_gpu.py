@@ -91,7 +91,7 @@ def test_hf_static_cache_decode_on_the_split_route(nq):
     q = _rand(g, b, hq, nq, d)
     k, v = _rand(g, b, hkv, nc, d), _rand(g, b, hkv, nc, d)
     mask = fa.ffpa_mask(b, nq, nc, q_offset=torch.tensor(filled - nq, device="cuda"),
-                        mask_function=mu.causal_mask_function)
+                        mask_function=mu.causal_mask_function, device="cuda")  # HF passes the cache's device
     out, _ = fa.ffpa_attention_forward(Layer(), q, k, v, mask, scaling=d ** -0.5)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(8, 1), v.double().repeat_interleave(8, 1),
