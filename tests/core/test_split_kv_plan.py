@@ -74,6 +74,22 @@ def test_split_cu_seqlens_cover_every_key_once(splits, causal, nq, lengths, rows
         assert all(a <= b for a, b in zip(tail_k, tail_k[1:])) and tail_q[-1] == len(lengths) * nq
 
 
+@pytest.mark.parametrize("splits, nq, nk", [(2, 2, 300), (5, 3, 1000), (33, 4, 32768), (4, 16, 17)])
+def test_tail_in_place_layout_covers_every_key_once(splits, nq, nk):
+    """One sequence, Nk > Nq: the split launch (its splits alone, on the keys before the tail) ends its
+    queries at S Nq rows, where the tail slot starts; with the tail launch every key is seen once."""
+    plan = split_kv.plan_splits(splits, True, nq, nk)
+    assert plan.filled and plan.tail_in_place(1) and not plan.prefill(1)
+    assert not plan.tail_in_place(2) and plan.prefill(2)
+    cu_q, cu_k, _, _ = split_kv.split_cu_seqlens(split_kv.splits_only(plan), nq, nk, [nk - nq], nk)
+    _, _, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, nk, [nk], nk)
+    assert cu_q[-1] == plan.splits * nq == (plan.partials - 1) * nq and tail_q == [0, 0, nq]
+    seen = [k for j in range(plan.splits) for k in range(cu_k[j], cu_k[j + 1])]
+    assert all(cu_k[j + 1] > cu_k[j] for j in range(plan.splits))  # no empty split: no row left unwritten
+    assert sorted(seen + list(range(tail_k[1], tail_k[2]))) == list(range(nk))
+    assert not split_kv.plan_splits(splits, True, nq, nq).filled  # no key before the tail: pre-filled
+
+
 def test_split_bounds_are_key_tile_multiples():
     plan = split_kv.plan_splits(33, False, 1, 32768)
     bounds = split_kv.split_bounds(plan, 32768, 1)

@@ -29,11 +29,19 @@ def _gpu():
     fa._FALLBACK_WARNED.clear()
 
 
-def test_graph_decode_vs_fp32():
+@pytest.mark.parametrize("prompt", [decode.PROMPT, 1100], ids=["fused", "split-kv"])
+def test_graph_decode_vs_fp32(prompt, monkeypatch):
+    """At 1100 prompt tokens the full layers' decode steps take the split-KV route (its memoised cu_seqlens
+    must stay out of the CUDA-graph trees' pool)."""
     from torch._dynamo.utils import counters
     from transformers import StaticCache
 
-    ids = decode.prompt("cuda")
+    from xattn.torch import split_kv
+
+    splits = []
+    real = split_kv.split_forward
+    monkeypatch.setattr(split_kv, "split_forward", lambda *a, **kw: splits.append(a[0]) or real(*a, **kw))
+    ids = decode.prompt("cuda", prompt)
     net = decode.model("ffpa", "cuda")
     cache = StaticCache(config=net.config, max_cache_len=ids.shape[1] + decode.NEW)
     torch._dynamo.reset()
@@ -46,6 +54,7 @@ def test_graph_decode_vs_fp32():
     assert counters["inductor"].get("cudagraph_recorded_non_static_inputs", 0) == recorded, "re-recorded a graph"
     assert not fa._FALLBACK_WARNED, fa._FALLBACK_WARNED
     assert torch.equal(again, tokens) and torch.equal(logits_again, logits)
+    assert bool(splits) == (prompt > decode.PROMPT), splits[:1]
 
     truth = decode.teacher_forced_logits(decode.model("sdpa", "cuda", torch.float32), ids, tokens)
     yardstick = decode.teacher_forced_logits(decode.model("sdpa", "cuda"), ids, tokens)

@@ -39,6 +39,8 @@ def _decode_inputs(b, nq, hq, hkv, nk, d, layout, seed):
     pytest.param(2, 5, 4, 2, 3, True, 2, id="causal-tail-longer-than-cache"),
     pytest.param(2, 3, 4, 2, 1, False, 5, id="one-key-more-splits-than-keys"),
     pytest.param(1, 16, 2, 1, 1000, True, 7, id="16-speculative-queries"),
+    pytest.param(1, 4, 8, 2, 900, True, 3, id="B1-q4-tail-written-in-place"),
+    pytest.param(1, 5, 4, 2, 3, True, 2, id="B1-tail-longer-than-cache-copied"),
 ])
 def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     q, k, v = _decode_inputs(b, nq, hq, hkv, nk, 16, layout, seed=nk + nq)

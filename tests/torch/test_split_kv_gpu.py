@@ -34,6 +34,7 @@ def _poison_allocator():
     pytest.param(512, 3, 1, 16, 4, 5003, False, id="d512-B3-q1-g4"),
     pytest.param(512, 2, 4, 32, 4, 4100, True, id="d512-B2-q4-causal-tail"),
     pytest.param(512, 1, 16, 8, 1, 3000, True, id="d512-B1-q16-g8"),
+    pytest.param(512, 1, 4, 32, 4, 9001, True, id="d512-B1-q4-tail-in-place"),
     pytest.param(128, 1, 1, 32, 8, 20000, True, id="d128-B1-g4"),
     pytest.param(128, 4, 3, 32, 8, 6000, True, id="d128-B4-q3-tail"),
     pytest.param(256, 2, 1, 32, 16, 7001, False, id="d256-B2-g2"),

@@ -18,7 +18,9 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
 2. **causal tail** (``causal`` and Nq > 1 only): query i of Nq sees key p iff p <= L - Nq + i, so every
    key before ``L - min(L, Nq)`` is seen by all queries (the splits, non-causal) and the last
    ``min(L, Nq)`` keys are the tail: a causal varlen forward of the Nq queries on them, written into slot
-   ``P - 1``.
+   ``P - 1``. With one sequence and Nk > Nq (:meth:`SplitPlan.tail_in_place`) that slot is the last Nq
+   partial rows: the split launch's documents end before it (:func:`splits_only`), so the tail launch
+   writes it in place beside the splits, and no partial needs a pre-fill.
 3. **combine**: FlashAttention's combine kernel (:class:`CombineSpec`) reads the partials as
    ``[P, B, Nq, Hq, Dv]`` / ``[P, B, Nq, Hq]`` views and writes out ``[B, Nq, Hq, Dv]`` and lse
    ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
@@ -38,8 +40,8 @@ from pathlib import Path
 
 from .spec import FFPA_FWD_TILE_M, library_versions
 
-__all__ = ["SplitPlan", "CombineSpec", "plan_splits", "decode_splits", "split_bounds", "split_cu_seqlens",
-           "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "source_digest"]
+__all__ = ["SplitPlan", "CombineSpec", "plan_splits", "splits_only", "decode_splits", "split_bounds",
+           "split_cu_seqlens", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -53,8 +55,8 @@ _FA4_FWD_TILE_M = 128  # FA4 sm90 forward query tile (pack_gqa packs the group's
 class SplitPlan:
     """How one call is split: ``splits`` key splits (``S``), ``tail`` (a causal tail slot), ``chunk`` keys
     per split when every sequence holds ``seqlen_k`` keys (``0`` when lengths come per sequence: each
-    sequence's chunk is then its own, :func:`split_bounds`). ``filled``: every slot of the split launch has
-    keys, so the kernels write every partial row and the partials need no pre-fill."""
+    sequence's chunk is then its own, :func:`split_bounds`). ``filled``: every split has keys and every
+    tail query sees one (Nk > Nq), so the launches write every partial row (:meth:`prefill`)."""
 
     splits: int
     tail: bool
@@ -65,6 +67,17 @@ class SplitPlan:
     def partials(self) -> int:
         """Partial slots per sequence (``P``)."""
         return self.splits + int(self.tail)
+
+    def tail_in_place(self, batch: int) -> bool:
+        """One sequence with a filled tail plan: the tail slot is the last Nq partial rows, past every document
+        of the split launch (:func:`splits_only`), and the tail launch writes it in place."""
+        return self.tail and self.filled and batch == 1
+
+    def prefill(self, batch: int) -> bool:
+        """Whether the partials need the pre-fill (0, -inf): a row no launch writes (an empty split, a tail
+        query without a key), or, for a tail copied into its slot (B > 1), the rows its split-launch
+        document leaves to FFPA (it skips a document without keys)."""
+        return not self.filled or (self.tail and not self.tail_in_place(batch))
 
 
 def decode_splits(family: str, batch: int, heads_kv: int, g: int, seqlen_q: int, seqlen_k: int,
@@ -92,7 +105,14 @@ def plan_splits(splits: int, causal: bool, seqlen_q: int, seqlen_k: int | None) 
     chunk = _chunk(full, splits)
     if full:  # no empty split: chunks are rounded up to the key tile, so fewer may cover every key
         splits = -(-full // chunk)
-    return SplitPlan(splits, tail, chunk, filled=bool(full) and not tail)
+    return SplitPlan(splits, tail, chunk, filled=bool(full))
+
+
+def splits_only(plan: SplitPlan) -> SplitPlan:
+    """The split launch of a plan whose tail is written in place (:meth:`SplitPlan.tail_in_place`): its S
+    splits as a plan without a tail, over each sequence's keys before the tail (``length - Nq``): S documents
+    of Nq queries, then the one without a query (its cu_seqlens by :func:`split_cu_seqlens`)."""
+    return SplitPlan(plan.splits, False, plan.chunk, True)
 
 
 def _full_keys(length: int, seqlen_q: int, tail: bool) -> int:

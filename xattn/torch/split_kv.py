@@ -9,6 +9,7 @@ launch. The keys are read in place through a flat strided view of k and v (no co
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from typing import NamedTuple
 
@@ -115,13 +116,19 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     if hit is not None:
         return hit
     b, nq = q.shape[0], q.shape[1]
-    _, cu_k, _, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, kf.shape[0])  # host: the maxima
+    key_rows, dev = kf.shape[0], q.device
+    # the split launch's own plan and lengths: with the tail in place, its splits alone, on the keys before it
+    lp, ln = (split_kv.splits_only(plan), nk - nq) if plan.tail_in_place(b) else (plan, nk)
+    _, cu_k, _, _ = split_kv.split_cu_seqlens(lp, nq, rows, [ln] * b, key_rows)  # host: the maxima
+    _, _, _, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
+    full = lambda n: torch.full((b,), n, dtype=torch.int32, device=dev)  # noqa: E731
     # the device copies by device arithmetic, never a host-to-device copy: a first call inside CUDA-graph
     # capture (a new cache length under torch.compile's CUDA graphs) must not copy from pageable memory
-    cu_q_d, tail_q_d = device_cu_seqlens_q(plan, b, nq, q.device)
-    cu_k_d, tail_k_d = device_cu_seqlens_k(plan, nq, rows, kf.shape[0],
-                                           torch.full((b,), nk, dtype=torch.int32, device=q.device))
+    cu_q_d, tail_q_d, cu_k_d, tail_k_d = _outside_graph_pools(lambda: (
+        device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
+        device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
+        device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
     checked = ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k))
     tail_checked = None
     if plan.tail:
@@ -130,6 +137,24 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), vf.shape[-1])
     return _SETUPS.put(key, _Setup(cu_q_d, cu_k_d, longest(cu_k), checked, tail_q_d, tail_k_d, longest(tail_k),
                                    tail_checked, combine))
+
+
+def _outside_graph_pools(build, device: torch.device):
+    """``build()`` for tensors the memo keeps past this call. torch.compile's CUDA-graph trees send every
+    allocation of the thread that warms up or records a graph to the graph's pool and refuse a pool tensor
+    that outlives the graph's outputs ("tensors in the cudagraph pool not tracked as outputs"); so a CUDA
+    ``build`` runs in a worker thread (the normal pool) on the caller's current stream (ordered with its
+    work). Inside a raw stream capture (``torch.cuda.graph``) it runs here: the capture's pool holds them."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return build()
+    stream = torch.cuda.current_stream(device)
+
+    def run():
+        with torch.cuda.stream(stream):
+            return build()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(run).result()
 
 
 def device_cu_seqlens_q(plan: SplitPlan, batch: int, seqlen_q: int, device):
@@ -164,6 +189,25 @@ def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int
     return cu_k, torch.cat([zero, torch.stack([base + full, base + n], dim=1).flatten()]).to(torch.int32)
 
 
+def _slots(q: Tensor, p: int) -> Tensor:
+    """``q_split [B*P*Nq, Hq, D]``: q once per slot; a view where strides allow (B = Nq = 1: row stride 0),
+    else one broadcast copy, moved as 8-byte words where q's rows allow (the generic broadcast copy moves
+    2-byte elements at a fraction of the bandwidth)."""
+    b, nq, hq, d = q.shape
+    slots = q.unsqueeze(1).expand(b, p, nq, hq, d)
+    try:
+        return slots.view(b * p * nq, hq, d)
+    except RuntimeError:
+        pass
+    flat = q.reshape(b, 1, nq * hq * d)
+    if flat.is_contiguous() and (flat.shape[-1] * q.element_size()) % 8 == 0 and flat.data_ptr() % 8 == 0:
+        words = flat.view(torch.int64)
+        out = torch.empty((b, p, words.shape[-1]), dtype=torch.int64, device=q.device)
+        out.copy_(words.expand(b, p, words.shape[-1]))
+        return out.view(q.dtype).view(b * p * nq, hq, d)
+    return slots.reshape(b * p * nq, hq, d)
+
+
 def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor, scale: float, rows: int,
                   out: Tensor, lse: Tensor, lengths: Tensor | None = None) -> None:
     """Write ``out [B, Nq, Hq, Dv]`` and ``lse [B, Hq, Nq]`` (any content before) by the split route: q
@@ -175,33 +219,40 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     p = plan.partials
     key_rows = rows * (b - 1) + nk
     kf, vf = flat_keys(k, key_rows), flat_keys(v, key_rows)
-    q_split = q.unsqueeze(1).expand(b, p, nq, hq, d).reshape(b * p * nq, hq, d)
+    in_place = plan.tail_in_place(b) and lengths is None  # (device lengths come with a plan of chunk 0: never)
+    prefill = plan.prefill(b) or lengths is not None
+    q_split = _slots(q, plan.splits if in_place else p)
     setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
     if lengths is not None:  # the documents' keys from the device lengths; the queries' as set up
         cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, lengths)
         setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=key_rows, tail_max_k=key_rows)
-    if plan.filled:  # every slot has keys: the kernels write every row
-        out_p = torch.empty((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
-        lse_p = torch.empty((hq, b * p * nq), dtype=torch.float32, device=q.device)
-    else:  # empty slots are skipped by FFPA: they must read as "no key" (0, -inf)
-        out_p = torch.zeros((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
-        lse_p = torch.full((hq, b * p * nq), float("-inf"), dtype=torch.float32, device=q.device)
+    make = torch.zeros if prefill else torch.empty  # rows no launch writes (FFPA skips them) read (0, -inf)
+    out_p = make((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse_p = torch.empty((hq, b * p * nq), dtype=torch.float32, device=q.device)
+    if prefill:
+        lse_p.fill_(float("-inf"))
     side = _Side(q.device) if plan.tail else None
     if side:  # the causal tail runs beside the splits: its few CTAs take SMs the splits leave idle
-        out_t = torch.empty((b * nq, hq, dv), dtype=q.dtype, device=q.device)
-        lse_t = torch.empty((hq, b * nq), dtype=torch.float32, device=q.device)
+        if in_place:  # the last Nq partial rows, past the split launch's documents
+            out_t, lse_t = out_p[(p - 1) * nq:], lse_p[:, (p - 1) * nq:]
+        else:
+            out_t = torch.empty((b * nq, hq, dv), dtype=q.dtype, device=q.device)
+            lse_t = torch.empty((hq, b * nq), dtype=torch.float32, device=q.device)
         with side.fork():
-            out_t.zero_()
-            lse_t.fill_(float("-inf"))
+            if not in_place:
+                out_t.zero_()
+                lse_t.fill_(float("-inf"))
             ops.LAUNCH["fwd"](setup.tail_checked, q.reshape(b * nq, hq, d), kf, vf, out_t, lse_t,
                               softmax_scale=scale, cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k,
                               max_seqlen_q=nq, max_seqlen_k=setup.tail_max_k)
-    ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_p, lse_p, softmax_scale=scale, cu_seqlens_q=setup.cu_q,
-                      cu_seqlens_k=setup.cu_k, max_seqlen_q=nq, max_seqlen_k=setup.max_k)
-    if side:  # the tail's slot once the splits are written (their launch gives it no key), then join
-        with side.after_main():
-            out_p.view(b, p, nq, hq, dv)[:, p - 1].copy_(out_t.view(b, nq, hq, dv))
-            lse_p.view(hq, b, p, nq)[:, :, p - 1].copy_(lse_t.view(hq, b, nq))
+    rows_s = q_split.shape[0]
+    ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_p[:rows_s], lse_p[:, :rows_s], softmax_scale=scale,
+                      cu_seqlens_q=setup.cu_q, cu_seqlens_k=setup.cu_k, max_seqlen_q=nq, max_seqlen_k=setup.max_k)
+    if side:  # a copied tail's slot once the splits are written (their launch gives it no key), then join
+        if not in_place:
+            with side.after_main():
+                out_p.view(b, p, nq, hq, dv)[:, p - 1].copy_(out_t.view(b, nq, hq, dv))
+                lse_p.view(hq, b, p, nq)[:, :, p - 1].copy_(lse_t.view(hq, b, nq))
         side.join()
     ops.LAUNCH["combine"](setup.combine, out_p.view(b, p, nq, hq, dv).permute(1, 0, 2, 3, 4),
                           lse_p.view(hq, b, p, nq).permute(2, 1, 3, 0), out, lse.permute(0, 2, 1))
