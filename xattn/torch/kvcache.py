@@ -135,7 +135,8 @@ def lengths_forward(q, k_cache, v_cache, lengths, family: str, scale: float, cau
     cu_k = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)  # sequence b's keys, then the rows up to b + 1
     cu_q = _CU_Q.get((b, nq, q.device))
     if cu_q is None:
-        cu_q = _CU_Q.put((b, nq, q.device), (torch.arange(1, 2 * b + 2, device=q.device) // 2 * nq).to(torch.int32))
+        cu_q = _CU_Q.put((b, nq, q.device), split_kv.outside_graph_pools(  # kept past the call: not a graph's pool
+            lambda: (torch.arange(1, 2 * b + 2, device=q.device) // 2 * nq).to(torch.int32), q.device))
     out_rows = out.view(b * nq, hq, dv)
     lse_rows = torch.full((hq, b * nq), float("-inf"), dtype=torch.float32, device=q.device)
     out_rows.zero_()  # FFPA skips a sequence without keys: its rows read as "no key"

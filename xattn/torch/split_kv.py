@@ -22,7 +22,8 @@ from xattn.core.split_kv import CombineSpec, SplitPlan
 
 from . import ops
 
-__all__ = ["rows_per_seq", "flat_keys", "split_forward", "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k"]
+__all__ = ["rows_per_seq", "flat_keys", "split_forward", "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k",
+           "outside_graph_pools"]
 
 _SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
@@ -125,7 +126,7 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     full = lambda n: torch.full((b,), n, dtype=torch.int32, device=dev)  # noqa: E731
     # the device copies by device arithmetic, never a host-to-device copy: a first call inside CUDA-graph
     # capture (a new cache length under torch.compile's CUDA graphs) must not copy from pageable memory
-    cu_q_d, tail_q_d, cu_k_d, tail_k_d = _outside_graph_pools(lambda: (
+    cu_q_d, tail_q_d, cu_k_d, tail_k_d = outside_graph_pools(lambda: (
         device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
         device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
         device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
@@ -139,7 +140,7 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
                                    tail_checked, combine))
 
 
-def _outside_graph_pools(build, device: torch.device):
+def outside_graph_pools(build, device: torch.device):
     """``build()`` for tensors the memo keeps past this call. torch.compile's CUDA-graph trees send every
     allocation of the thread that warms up or records a graph to the graph's pool and refuse a pool tensor
     that outlives the graph's outputs ("tensors in the cudagraph pool not tracked as outputs"); so a CUDA
