@@ -1,0 +1,68 @@
+"""Paged decoding plans and the page-table rules (xattn.core.paged): pure Python."""
+
+import random
+import re
+
+import pytest
+
+from xattn.core import paged
+
+
+def _draws(n=300, seed=0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        page_size = rng.choice([16, 64, 128, 256])
+        length = rng.choice([0, 1, page_size - 1, page_size, page_size + 1, rng.randrange(0, 40 * page_size)])
+        max_pages = -(-length // page_size) + rng.choice([0, 0, 1, 7])
+        yield (rng.choice([1, 2, 3, 8, 33, 127]), rng.random() < 0.5, rng.choice([1, 2, 4, 16]), length,
+               page_size, max(max_pages, 1))
+
+
+@pytest.mark.parametrize("splits, causal, nq, length, page_size, max_pages", list(_draws()))
+def test_entries_cover_every_key_once_within_the_table(splits, causal, nq, length, page_size, max_pages):
+    """Split entries start on their own pages and hold at most their pages' keys; with the tail they cover
+    keys 0..L-1 exactly once; no entry reads a column past the table; the tail starts no later than the
+    first key some query cannot see (L - Nq), so the splits may run without a mask."""
+    plan = paged.plan_paged(splits, causal, nq, max_pages)
+    assert plan.splits <= splits and plan.splits * plan.pages_per_split >= max_pages
+    assert plan.padded == (plan.splits * plan.pages_per_split != max_pages)
+    assert (plan.splits - 1) * plan.pages_per_split < max_pages  # no split starts past the table
+    entries = paged.entry_bounds(plan, length, nq, page_size)
+    assert len(entries) == plan.partials
+    seen = []
+    for i, (col, keys) in enumerate(entries):
+        if i < plan.splits:
+            assert col == i * plan.pages_per_split and keys <= plan.pages_per_split * page_size
+        assert col + -(-keys // page_size) <= max_pages
+        seen += range(col * page_size, col * page_size + keys)
+    assert sorted(seen) == list(range(length))
+    if plan.tail:
+        tail_start = entries[-1][0] * page_size
+        assert tail_start <= max(length - nq, 0) and entries[-1][1] < page_size + nq
+
+
+def test_plan_shrinks_to_the_table_and_pads_when_it_must():
+    assert paged.plan_paged(32, False, 1, 128) == paged.PagedPlan(32, 4, False, False)
+    assert paged.plan_paged(32, False, 1, 130) == paged.PagedPlan(26, 5, False, False)
+    assert paged.plan_paged(32, False, 1, 131) == paged.PagedPlan(27, 5, False, True)
+    assert paged.plan_paged(8, False, 1, 3) == paged.PagedPlan(3, 1, False, False)
+    assert paged.plan_paged(4, True, 4, 16).tail and not paged.plan_paged(4, True, 1, 16).tail
+    with pytest.raises(ValueError, match="num_splits"):
+        paged.plan_paged(0, False, 1, 4)
+
+
+@pytest.mark.parametrize("table, lengths, message", [
+    ([[3, 1, 0]], [40], None),
+    ([[3, -1, -1]], [16], None),  # columns past the last page are never read: vLLM's padding is fine
+    ([[3, 1, -1]], [17], None),
+    ([[3, 4, 0]], [17], r"page_table\[0, 1\] = 4: must lie in 0-3"),
+    ([[0, 1], [2, -1]], [32, 17], r"page_table\[1, 1\] = -1"),
+    ([[0, 1]], [33], r"cache_seqlens\[0\] = 33: must lie in 0-32"),
+    ([[0, 1]], [-1], r"cache_seqlens\[0\] = -1"),
+])
+def test_page_table_problem_names_the_first_bad_entry(table, lengths, message):
+    got = paged.page_table_problem(table, lengths, num_pages=4, page_size=16)
+    if message is None:
+        assert got is None
+    else:
+        assert got is not None and re.search(message, got), got

@@ -1,0 +1,94 @@
+"""Paged KV caches (issue #44): the split of a decoding call over a page table, and the page-table rules.
+
+Glossary as in :mod:`xattn.core.split_kv`, plus: a pool ``k_pages/v_pages [num_pages, page_size, Hkv, D]``,
+``page_table [B, max_pages]`` int32 (FlashAttention-3's and flash_attn.cute's name; FlashAttention-2 and vLLM
+say ``block_table``): sequence b's key j lives in pool page ``page_table[b, j // page_size]`` at row
+``j % page_size``; ``lengths [B]`` (``cache_seqlens`` / ``seqused_k``) its valid keys.
+
+How a paged decoding call splits (the design of ``docs/design.md``, "Paged KV caches"): the split launch is a
+*virtual batch* of ``B * S`` entries, entry ``(b, s)`` holding sequence b's Nq queries, the page-table row
+``page_table[b, s * pps : (s + 1) * pps]`` (``pps`` pages per split; a strided view of the table, no copy
+when S * pps == max_pages) and ``entry_keys(b, s)`` keys: a paged forward that takes ``page_table`` and
+per-entry lengths (flash_attn.cute's sm90 forward: TMA when page_size equals its key tile, cp.async
+otherwise) runs it as one dense launch, and FlashAttention's combine merges the S partials (plus a causal
+tail) by lse, as the contiguous split route does. Splits are whole pages, so a causal tail (Nq > 1) starts at
+the page holding key ``L - Nq``: every key of that page before it is seen by every query anyway.
+
+Pure Python: no torch, jax or numpy (``tests/core/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PagedPlan", "plan_paged", "entry_bounds", "PageTableError", "page_table_problem", "MIN_PAGE_SIZE",
+           "MAX_PAGE_SIZE"]
+
+MIN_PAGE_SIZE = 16  # the issue's range: 16 (vLLM's default) to 256
+MAX_PAGE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """``splits`` entries per sequence (S) of ``pages_per_split`` table entries each, then a causal tail entry
+    when ``tail``. ``padded``: S * pps exceeds ``max_pages``, so the table is padded to ``S * pps`` columns
+    (one small copy) before it is viewed as ``[B * S, pps]``."""
+
+    splits: int
+    pages_per_split: int
+    tail: bool
+    padded: bool
+
+    @property
+    def partials(self) -> int:
+        """Partial slots per sequence (``P``)."""
+        return self.splits + int(self.tail)
+
+
+def plan_paged(splits: int, causal: bool, seqlen_q: int, max_pages: int) -> PagedPlan:
+    """The plan of at most ``splits`` splits over a ``max_pages``-wide page table: pages per split
+    ``ceil(max_pages / splits)``, and as many splits as those pages need (no split past the table)."""
+    if splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {splits}")
+    if max_pages < 1:
+        raise ValueError(f"page_table: expected at least one column, got {max_pages}")
+    pps = -(-max_pages // splits)
+    used = -(-max_pages // pps)
+    return PagedPlan(used, pps, causal and seqlen_q > 1, used * pps != max_pages)
+
+
+def entry_bounds(plan: PagedPlan, length: int, seqlen_q: int, page_size: int) -> list[tuple[int, int]]:
+    """``[(first_page_column, keys), ...]``: per entry of one sequence of ``length`` valid keys, the first
+    page-table column it reads and how many keys (host ints; the front ends compute the same on the device).
+    The S splits share the keys before the tail's first page; the tail entry (causal plans) the rest."""
+    tail_page = (length - min(length, seqlen_q)) // page_size if plan.tail else 0
+    before = tail_page * page_size if plan.tail else length
+    span = plan.pages_per_split * page_size
+    out = [(s * plan.pages_per_split, min(max(before - s * span, 0), span)) for s in range(plan.splits)]
+    if plan.tail:
+        out.append((tail_page, length - before))
+    return out
+
+
+class PageTableError(ValueError):
+    """A page table or a length that would make the kernels read outside the pool (checked mode)."""
+
+
+def page_table_problem(table: Sequence[Sequence[int]], lengths: Sequence[int], num_pages: int,
+                       page_size: int) -> str | None:
+    """The first rule a page table breaks, as a message naming the argument, index and values, or None.
+
+    The kernels trust the table (reading it on the host would synchronise); checked mode tests, per
+    sequence b in order: ``0 <= lengths[b] <= max_pages * page_size``, then every page it uses
+    (columns ``0 .. ceil(lengths[b] / page_size) - 1``) in ``0 .. num_pages - 1``. Columns past a
+    sequence's last page are never read, so any value there is fine (vLLM pads with -1 or 0)."""
+    for b, (row, n) in enumerate(zip(table, lengths)):
+        if not 0 <= n <= len(row) * page_size:
+            return (f"cache_seqlens[{b}] = {n}: must lie in 0-{len(row) * page_size} (page_table has "
+                    f"{len(row)} columns of {page_size}-key pages)")
+        for j in range(-(-n // page_size)):
+            if not 0 <= row[j] < num_pages:
+                return (f"page_table[{b}, {j}] = {row[j]}: must lie in 0-{num_pages - 1} (the pool holds "
+                        f"{num_pages} pages; sequence {b} uses columns 0-{-(-n // page_size) - 1})")
+    return None
