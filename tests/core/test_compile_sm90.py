@@ -55,6 +55,11 @@ def _gemm(kind, dtype="bfloat16", d32=False):
 SHIPPED += [_gemm(k) for k in ("probs_causal", "probs_full", "grad_scores", "mm_dq", "mm_kv")]
 SHIPPED += [_gemm("acc", d32=True), _gemm("acc"), _gemm("probs_causal", "float16"), _gemm("acc", "float16", True),
             _gemm("mm_kv", d32=True)]
+# Paged KV caches (xattn.core.paged_sm90): FFPA through its stand-ins, FA4 by TMA (page = key tile) and cp.async.
+SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
+    KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 8, page_size=256),
+    KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=128),
+    KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, True, page_size=16))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 
@@ -88,3 +93,18 @@ def test_segment_launchers_trace_their_table_offsets_and_restore_quacks_manager(
         seg.compile_segment_gemm(GemmSpec(kind, "bfloat16"))
         assert set(rows_read) == reads, kind
         assert sm90.VarlenManager is VarlenManager
+
+
+def test_paged_ffpa_maps_the_key_and_value_copies_only_and_restores_its_names():
+    """FFPA pages through two stand-in names (xattn.core.paged_sm90): the page table must reach exactly
+    the K and V copies (not Q's load or the output's stores), and FFPA's own names are back afterwards."""
+    import ffpa_attn.cute._fwd_d512_sm90 as module
+    from ffpa_attn.cute.utils.seqlen_info import SeqlenInfoQK
+    from quack import copy_utils
+
+    from xattn.core.paged_sm90 import compile_paged
+
+    mapped = []
+    compile_paged(KernelSpec("ffpa", "fwd", "bfloat16", 384, 384, 2, True, page_size=128), mapped)
+    assert mapped == [2]
+    assert module.SeqlenInfoQK is SeqlenInfoQK and module.copy_utils is copy_utils

@@ -66,3 +66,23 @@ def test_page_table_problem_names_the_first_bad_entry(table, lengths, message):
         assert got is None
     else:
         assert got is not None and re.search(message, got), got
+
+
+@pytest.mark.parametrize("family, d, page_size, why", [
+    ("ffpa", 512, 256, None),
+    ("ffpa", 512, 64, None),
+    ("ffpa", 512, 16, "multiple of 64"),
+    ("fa4", 128, 16, None),
+    ("fa4", 128, 8, "16-256"),
+    ("fa4", 128, 512, "16-256"),
+])
+def test_paged_specs_say_which_page_sizes_each_family_reads(family, d, page_size, why):
+    from xattn.core.spec import KernelSpec, supports
+
+    spec = KernelSpec(family, "fwd", "bfloat16", d, d, 2, page_size=page_size)
+    got = supports(spec)
+    assert (got is None) if why is None else (why in got), got
+    assert f"paged{page_size}" in spec.short_name()
+    assert "page" in supports(KernelSpec(family, "bwd", "bfloat16", d, d, 2, page_size=64))
+    assert "dense queries" in supports(KernelSpec(family, "fwd", "bfloat16", d, d, 2, False, True, page_size=64))
+    assert spec.output_fill() == ({"out": 0.0, "lse": float("-inf")} if family == "ffpa" else {})

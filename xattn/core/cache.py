@@ -52,6 +52,9 @@ def _default_compiler(spec: KernelSpec):
     if not isinstance(spec, KernelSpec):  # a GEMM of the chunked backward (xattn.core.gemm_sm90.GemmSpec)
         from .gemm_sm90 import compile_gemm
         return compile_gemm(spec)
+    if spec.page_size is not None:  # a paged KV cache's forward (xattn.core.paged_sm90)
+        from .paged_sm90 import compile_paged
+        return compile_paged(spec)
     if spec.family == "ffpa":
         from .ffpa_sm90 import compile_ffpa
         return compile_ffpa(spec)

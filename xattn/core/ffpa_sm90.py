@@ -95,14 +95,18 @@ class _VarlenBwd:
                 stream)
 
 
-def _fwd_kernel(spec: KernelSpec):
-    d = spec.head_dim
+def fwd_class(d: int):
+    """FFPA's sm90 forward kernel class for head dim ``d``."""
     if d == 512:
-        cls = FFPAAttnFwdSm90SplitD
-    elif d <= D384_AWARE_HEAD_DIM:
-        cls = FFPAAttnFwdSm90SplitDD384Aware
-    else:
-        cls = FFPAAttnFwdSm90SplitDGeneric
+        return FFPAAttnFwdSm90SplitD
+    if d <= D384_AWARE_HEAD_DIM:
+        return FFPAAttnFwdSm90SplitDD384Aware
+    return FFPAAttnFwdSm90SplitDGeneric
+
+
+def _fwd_kernel(spec: KernelSpec, cls=None):
+    d = spec.head_dim
+    cls = cls or fwd_class(d)
     return cls(CUTE_DTYPES[spec.dtype], d, spec.head_dim_v, spec.qhead_per_kvhead,
                is_causal=spec.causal, is_local=False, pack_gqa=spec.qhead_per_kvhead > 1,
                tile_m=SM90_FWD_TILE_M, tile_n=SM90_FWD_TILE_N, kv_same=False,

@@ -70,6 +70,7 @@ class KernelSpec:
       causal: bottom-right aligned causal mask (FlashAttention convention).
       varlen: packed ``[T, H, D]`` layout with ``cu_seqlens``.
       window_left / window_right: sliding window (FA4 forward only), ``None`` = unbounded.
+      page_size: a paged KV cache's page size (forward, dense q; :mod:`xattn.core.paged_sm90`), ``None``: not paged.
       arch: CuTeDSL target, ``"sm_90a"``.
       versions: library versions, so a disk cache never mixes builds.
     """
@@ -84,6 +85,7 @@ class KernelSpec:
     varlen: bool = False
     window_left: int | None = None
     window_right: int | None = None
+    page_size: int | None = None
     arch: str = "sm_90a"
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
@@ -109,6 +111,8 @@ class KernelSpec:
         """
         if self.family != "ffpa" and not self.varlen:
             return {}
+        if self.page_size is not None:  # FFPA skips an entry without keys (its split past the length)
+            return {"out": 0.0, "lse": float("-inf")}
         if self.direction == "bwd":
             return {"dq": 0.0, "dk": 0.0, "dv": 0.0}
         return {"out": 0.0, "lse": float("-inf")} if self.causal or self.varlen else {}
@@ -118,6 +122,8 @@ class KernelSpec:
         parts = [self.family, self.direction, self.dtype, f"d{self.head_dim}x{self.head_dim_v}",
                  f"g{self.qhead_per_kvhead}", "causal" if self.causal else "full",
                  "varlen" if self.varlen else "dense"]
+        if self.page_size is not None:
+            parts.append(f"paged{self.page_size}")
         if self.is_local:
             parts.append(f"w{self.window_left}_{self.window_right}")
         parts.append(self.arch)
@@ -143,9 +149,28 @@ def supports(spec: KernelSpec) -> str | None:
         return f"qhead_per_kvhead must be a positive int, got {spec.qhead_per_kvhead!r}"
     if spec.causal and spec.is_local:
         return "causal and a sliding window are mutually exclusive (causal is the window (None, 0))"
+    if spec.page_size is not None:
+        why = _paged_reason(spec)
+        if why:
+            return why
     if spec.family == "ffpa":
         return _ffpa_reason(spec)
     return _fa4_reason(spec)
+
+
+PAGED_FFPA_TILE = 64  # FFPA's sm90 forward reads keys in 64-row tiles (every head dim): a page holds whole tiles
+
+
+def _paged_reason(spec: KernelSpec) -> str | None:
+    ps = spec.page_size
+    if isinstance(ps, bool) or not isinstance(ps, int) or not 16 <= ps <= 256:
+        return f"page_size must be an int in 16-256, got {ps!r}"
+    if spec.direction != "fwd" or spec.varlen:
+        return "a paged KV cache is read by the forward with dense queries (decoding) only"
+    if spec.family == "ffpa" and ps % PAGED_FFPA_TILE:
+        return (f"FFPA reads keys in {PAGED_FFPA_TILE}-row tiles, so its pages must hold whole tiles: page_size "
+                f"a multiple of {PAGED_FFPA_TILE}, got {ps}")
+    return None
 
 
 def _ffpa_head_dims_ok(d: int, dv: int) -> bool:
