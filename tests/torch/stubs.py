@@ -120,9 +120,46 @@ def _stub_combine():
     return run
 
 
+def _stub_paged():
+    def run(spec, q, k_pool, v_pool, kv_meta, out, lse, *, softmax_scale, stream=None):
+        """A paged forward in fp64 (xattn.core.api.launch_paged_fwd's contract): row b reads its first
+        kv_meta[b, 0] keys through its page-table columns kv_meta[b, 1:]; masks bottom-right aligned on them."""
+        ps = spec.page_size
+        k4 = k_pool.view(-1, ps, *k_pool.shape[-2:]) if k_pool.dim() == 3 else k_pool  # FFPA: the flat view
+        v4 = v_pool.view(-1, ps, *v_pool.shape[-2:]) if v_pool.dim() == 3 else v_pool
+        meta = kv_meta.tolist()
+        causal, window = _mask(spec)
+        for b, row in enumerate(meta):
+            n, pages = row[0], row[1:1 + -(-row[0] // ps)]
+            assert 0 <= n <= (len(row) - 1) * ps and all(0 <= p < k4.shape[0] for p in pages), (b, row)
+            if n == 0:  # no key: FFPA leaves the row as pre-filled, FA4 writes 0 / -inf
+                if spec.output_fill():
+                    assert torch.all(out[b] == 0) and torch.all(torch.isneginf(lse[b])), "not pre-filled"
+                out[b].zero_()
+                lse[b].fill_(float("-inf"))
+                continue
+            k = k4[pages].reshape(-1, *k4.shape[-2:])[:n]
+            v = v4[pages].reshape(-1, *v4.shape[-2:])[:n]
+            o, l_ = ref_attention(q[b:b + 1], k[None], v[None], scale=softmax_scale, causal=causal, window=window)
+            out[b].copy_(o[0])
+            lse[b].copy_(l_[0])
+        CALLS.append(("paged", spec.family))
+    return run
+
+
+def paged_spec_any_head_dim(family, dtype, d, dv, g, causal, left, right, page_size):
+    """The paged support check as the kernels would see the call (bf16, a head dim the family runs), with the
+    call's own dtype and head dims put back (the stand-in computes in fp64 at any)."""
+    kd = 512 if family == "ffpa" else 128
+    spec = _real_paged_spec(family, "bfloat16", kd, kd, g, causal, left, right, page_size)
+    return dataclasses.replace(spec, dtype=dtype, head_dim=d, head_dim_v=dv)
+
+
+_real_paged_spec = ops.paged_spec
 _REPLACED = {
-    "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd(), "combine": _stub_combine()},
+    "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd(), "combine": _stub_combine(), "paged": _stub_paged()},
     "validate": lambda: validate_any_head_dim,
+    "paged_spec": lambda: paged_spec_any_head_dim,
     "check_buffers": lambda: check_shapes_only,
     "_CHECKED": Memo,
     "_FWD_SETUPS": Memo,

@@ -38,12 +38,13 @@ import tvm_ffi
 from .cache import get_launcher
 from .checks import (Meta, Problem, as_tensor, check_attention, check_layout_sizes, check_scale, check_window,
                      check_workspace, quick_check, validate)
-from .spec import KernelSpec
+from .spec import KernelSpec, supports
 from .split_kv import MAX_PARTIALS, CombineSpec
 from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
 
-__all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd", "launch_combine"]
+__all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd", "launch_combine",
+           "launch_paged_fwd"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
@@ -199,6 +200,26 @@ def launch_combine(spec: CombineSpec, out_partial, lse_partial, out, lse, *, str
     views = [as_tensor(a, "buffer") for a in (out_partial, lse_partial, out, lse)]
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[2].device.index), stream):
         function(*views, 0.0)
+
+
+def launch_paged_fwd(spec: KernelSpec, q, k_pages, v_pages, kv_meta, out, lse, *, softmax_scale: float,
+                     stream: int | None = None) -> None:
+    """Enqueue a paged-KV forward (:mod:`xattn.core.paged_sm90`, ``spec.page_size`` set): q ``[B, Nq, Hq, D]``,
+    the pools (FFPA: ``[NP*PS, Hkv, D]``, the flat view of its pages; FA4: ``[NP, PS, Hkv, D]``), ``kv_meta
+    [B, 1 + P]`` int32 (row b: its keys, then its page table; values trusted, :mod:`xattn.core.paged`);
+    writes out ``[B, Nq, Hq, Dv]`` and lse ``[B, Hq, Nq]`` fp32 (FFPA: pre-filled 0 / -inf by the caller,
+    :meth:`KernelSpec.output_fill`). Buffers are checked in C by the launcher."""
+    reason = supports(spec)
+    if spec.page_size is None or reason:
+        raise ValueError(f"launch_paged_fwd: {spec.short_name()} is not a paged forward ({reason or 'page_size None'})")
+    function = get_launcher(spec).function
+    if stream is None:
+        function(q, k_pages, v_pages, kv_meta, out, lse, softmax_scale)
+        return
+    _check_stream(stream)
+    views = [as_tensor(a, "buffer") for a in (q, k_pages, v_pages, kv_meta, out, lse)]
+    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
+        function(*views, softmax_scale)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

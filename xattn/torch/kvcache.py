@@ -17,7 +17,7 @@ from xattn.core import routes
 from xattn.core.checks import Memo
 from xattn.core.split_kv import MAX_PARTIALS
 
-from . import ops, split_kv
+from . import ops, paged, split_kv
 from .attention import as_input, attention_with_lse, checked_scale, default_family, mask_args
 
 __all__ = ["attention_with_kvcache", "lengths_forward"]
@@ -28,7 +28,8 @@ _CU_Q = Memo(256)  # (B, Nq, device) -> the fused route's cu_seqlens_q (sequence
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None,
                            causal=False, window_size=(-1, -1), num_splits=0, return_softmax_lse=False, *,
-                           family: str | None = None, check_inputs: bool | None = None):
+                           page_table=None, block_table=None, family: str | None = None,
+                           check_inputs: bool | None = None):
     """FlashAttention's ``flash_attn_with_kvcache`` (its names and layouts; no gradient).
 
     q ``[B, Nq, Hq, D]``; k_cache/v_cache ``[B, Nc, Hkv, D/Dv]``, any strides with a unit last one (HF's
@@ -41,6 +42,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     ``cache_seqlens`` values are trusted (reading them would synchronise): a length past ``Nc - Nn`` writes or
     reads outside the cache. ``check_inputs=True`` (``None``: ``XATTN_CHECK_INPUTS=1``) checks them on the host
     first and raises ``ValueError`` naming the first bad sequence.
+
+    **Paged cache** (``page_table``, FlashAttention-3's name; ``block_table``, FlashAttention-2's, is the same):
+    k_cache/v_cache are pools ``[num_pages, page_size, Hkv, D/Dv]`` and ``page_table [B, max_pages]`` int32 maps
+    sequence b's key j to pool page ``page_table[b, j // page_size]``, row ``j % page_size``
+    (:mod:`xattn.core.paged`; FFPA needs page sizes that are multiples of 64). Appended rows go through the
+    table. Its values are trusted like ``cache_seqlens``; checked mode raises
+    :class:`xattn.core.paged.PageTableError` (a ``ValueError``) for a page past the pool or negative among
+    the pages a sequence uses. Rows past a sequence's length in its last page must hold finite values.
     """
     q, k_cache, v_cache = as_input("q", q), as_input("k_cache", k_cache), as_input("v_cache", v_cache)
     if k_cache.dim() != 4 or q.dim() != 4:
@@ -48,6 +57,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                          f"{tuple(k_cache.shape)}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
         raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
+    if block_table is not None:
+        if page_table is not None:
+            raise ValueError("page_table/block_table: give one (they are the same argument)")
+        page_table = block_table
+    if page_table is not None:
+        return _paged(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, num_splits,
+                      return_softmax_lse, as_input("page_table", page_table), family, check_inputs)
     if cache_seqlens is None:
         if k is not None or v is not None:
             raise ValueError("k/v: appending needs cache_seqlens (where each sequence's new rows go)")
@@ -68,6 +84,42 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     causal, left, right = mask_args(causal, window_size)
     with torch.no_grad():
         out, lse = lengths_forward(q, k_cache, v_cache, lengths, family, scale, causal, left, right, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _paged(q, k_pages, v_pages, k, v, cache_seqlens, softmax_scale, causal, window_size, num_splits,
+           return_softmax_lse, page_table, family, check_inputs):
+    """:func:`attention_with_kvcache` on a paged cache."""
+    if q.dim() != 4 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"q/k_cache/v_cache: expected [B, Nq, Hq, D] / pools [num_pages, page_size, Hkv, D], got "
+                         f"{tuple(q.shape)} / {tuple(k_pages.shape)} / {tuple(v_pages.shape)}")
+    b = q.shape[0]
+    if page_table.dim() != 2 or page_table.shape[0] != b or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table: expected int32 [B={b}, max_pages], got {page_table.dtype} "
+                         f"{tuple(page_table.shape)}")
+    if page_table.device != q.device:
+        raise ValueError(f"page_table: expected on {q.device} (as q), got {page_table.device}")
+    if q.shape[2] % k_pages.shape[2]:
+        raise ValueError(f"q/k_cache: Hq={q.shape[2]} must be a multiple of Hkv={k_pages.shape[2]}")
+    ps, capacity = k_pages.shape[1], page_table.shape[1] * k_pages.shape[1]
+    lengths = _lengths(capacity if cache_seqlens is None else cache_seqlens, b, q.device)
+    if (k is None) != (v is None):
+        raise ValueError("k/v: give both or neither")
+    if k is not None and cache_seqlens is None:
+        raise ValueError("k/v: appending needs cache_seqlens (where each sequence's new rows go)")
+    new = 0 if k is None else k.shape[1]
+    if ops.checking(check_inputs):
+        _check_lengths(lengths, new, capacity)
+        paged.check_page_table(page_table, lengths + new, k_pages.shape[0], ps)
+    if k is not None:
+        paged.append_paged(k_pages, v_pages, page_table, as_input("k", k), as_input("v", v), lengths)
+        lengths = lengths + new
+    family = family or default_family(q.shape[-1], v_pages.shape[-1])
+    scale = checked_scale(softmax_scale, q.shape[-1])
+    causal, left, right = mask_args(causal, window_size)
+    with torch.no_grad():
+        out, lse = paged.paged_forward(q, k_pages, v_pages, page_table, lengths, family, scale, causal, left, right,
+                                       num_splits)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 import xattn.core as xc
-from xattn.core.api import launch_bwd, launch_combine, launch_fwd
+from xattn.core.api import launch_bwd, launch_combine, launch_fwd, launch_paged_fwd
 from xattn.core.checks import Memo, Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
 from xattn.core import gemm_bwd_plan, routes, split_kv
 from xattn.core.determinism import nondeterministic_op
+from xattn.core.spec import KernelSpec, supports
 from xattn.core.workspace import bwd_workspace_shapes
 
 from . import split_kv as torch_split_kv
@@ -37,8 +38,19 @@ __all__ = ["fwd", "bwd", "fwd_lengths", "attention_op"]
 
 _log = logging.getLogger("xattn")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+def paged_spec(family: str, dtype: str, d: int, dv: int, g: int, causal: bool, left, right,
+               page_size: int) -> KernelSpec:
+    """The compile key of one paged forward launch (:mod:`xattn.core.paged_sm90`); NotImplementedError with the
+    support matrix's reason where no launcher reads it."""
+    spec = KernelSpec(family, "fwd", dtype, d, dv, g, causal, False, left, right, page_size=page_size)
+    reason = supports(spec)
+    if reason:
+        raise NotImplementedError(f"paged KV cache: {reason}")
+    return spec
+
+
 # the core's launch entries, by direction (tests swap them for stand-ins that run without a GPU)
-LAUNCH = {"fwd": launch_fwd, "bwd": launch_bwd, "combine": launch_combine}
+LAUNCH = {"fwd": launch_fwd, "bwd": launch_bwd, "combine": launch_combine, "paged": launch_paged_fwd}
 
 
 def _meta(name: str, t) -> Meta:

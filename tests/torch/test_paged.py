@@ -1,0 +1,116 @@
+"""attention_with_kvcache(..., page_table=) on a paged KV cache, on the CPU stand-ins (issue #44): shuffled and
+non-contiguous page tables, a partly filled last page, page sizes 16/64/256, GQA 1/4/8, both families, the
+split entries and the causal tail, the append through the table, and the named errors of checked mode."""
+
+import pytest
+import torch
+
+import xattn.torch as xt
+from tests.reference import attention as ref_attention
+from xattn.core import split_kv
+from xattn.core.paged import PageTableError
+
+from . import stubs
+
+CALLS = stubs.CALLS
+
+
+@pytest.fixture(autouse=True)
+def stub_core(monkeypatch):
+    stubs.install(monkeypatch)
+
+
+def _paged_cache(lengths, max_pages, page_size, hkv, d, g, spare=3):
+    """A pool with every sequence's pages at shuffled places (and spare pages), its table, and the same keys
+    laid out contiguously per sequence (the reference's view)."""
+    b = len(lengths)
+    num_pages = b * max_pages + spare
+    k_pool = torch.randn(num_pages, page_size, hkv, d, generator=g, dtype=torch.float64)
+    v_pool = torch.randn(num_pages, page_size, hkv, d, generator=g, dtype=torch.float64)
+    order = torch.randperm(num_pages, generator=g)[:b * max_pages]
+    table = order.view(b, max_pages).to(torch.int32)
+    return k_pool, v_pool, table
+
+
+def _contiguous(pool, table):
+    return pool[table.long()].flatten(1, 2)  # [B, max_pages * page_size, Hkv, D]
+
+
+def _expected(q, k_pool, v_pool, table, lengths, causal, window, scale):
+    kc, vc = _contiguous(k_pool, table), _contiguous(v_pool, table)
+    outs, lses = zip(*(ref_attention(q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n], scale=scale, causal=causal,
+                                     window=window) for i, n in enumerate(lengths)))
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("family, nq, hq, hkv, page_size, max_pages, lengths, new, causal, window", [
+    pytest.param("ffpa", 1, 8, 1, 64, 9, [0, 300, 575], 1, True, (None, None), id="ffpa-decode-g8-ps64"),
+    pytest.param("ffpa", 4, 8, 2, 256, 3, [700, 5], 4, True, (None, None), id="ffpa-speculative-tail-ps256"),
+    pytest.param("ffpa", 3, 4, 4, 128, 5, [129, 640], 0, False, (None, None), id="ffpa-mha-full-table"),
+    pytest.param("fa4", 1, 8, 2, 16, 40, [1, 639, 17], 1, True, (None, None), id="fa4-decode-g4-ps16"),
+    pytest.param("fa4", 2, 4, 1, 64, 7, [400, 63], 2, True, (None, None), id="fa4-tail-g4-ps64"),
+    pytest.param("fa4", 1, 8, 1, 16, 12, [150, 30], 1, False, (24, 0), id="fa4-window"),
+])
+def test_paged_matches_fp64(num_splits, family, nq, hq, hkv, page_size, max_pages, lengths, new, causal, window):
+    g = torch.Generator().manual_seed(page_size + max_pages + nq)
+    d = 16
+    cap = max_pages * page_size
+    lengths = [min(n, cap - new) for n in lengths]
+    k_pool, v_pool, table = _paged_cache(lengths, max_pages, page_size, hkv, d, g)
+    q = torch.randn(len(lengths), nq, hq, d, generator=g, dtype=torch.float64)
+    k_new = torch.randn(len(lengths), new, hkv, d, generator=g, dtype=torch.float64) if new else None
+    v_new = torch.randn_like(k_new) if new else None
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    untouched = [p for p in range(k_pool.shape[0]) if p not in set(table.flatten().tolist())]
+    spare_before = k_pool[untouched].clone()
+    if new:  # the reference: the new rows written into the contiguous view by hand
+        kc, vc = _contiguous(k_pool, table), _contiguous(v_pool, table)
+        for i, n in enumerate(lengths):
+            kc[i, n:n + new], vc[i, n:n + new] = k_new[i], v_new[i]
+    out, lse = xt.attention_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=seqlens, causal=causal,
+                                         window_size=window, num_splits=num_splits, return_softmax_lse=True,
+                                         page_table=table, family=family, check_inputs=True)
+    assert torch.equal(k_pool[untouched], spare_before)  # the append wrote through the table only
+    total = [n + new for n in lengths]
+    if new:
+        assert torch.equal(_contiguous(k_pool, table)[0, :total[0]], kc[0, :total[0]])
+    want_out, want_lse = _expected(q, k_pool, v_pool, table, total, causal, window, d ** -0.5)
+    assert (out - want_out).abs().max() < 1e-6, (out - want_out).abs().max()  # fp32 partial lse: ~1e-7
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(lse[~torch.isneginf(lse)].double(), want_lse[~torch.isneginf(want_lse)], atol=1e-5)
+    auto = split_kv.decode_splits(family, len(lengths), hkv, hq // hkv, nq, cap, 132)
+    split = (num_splits or auto) > 1 and window == (None, None)
+    assert (("combine", family) in CALLS) == split, (num_splits, auto)
+
+
+def test_block_table_is_page_table_and_the_errors_are_named():
+    g = torch.Generator().manual_seed(1)
+    k_pool, v_pool, table = _paged_cache([40, 20], 3, 16, 2, 16, g)
+    q = torch.randn(2, 1, 4, 16, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor([40, 20], dtype=torch.int32)
+    a = xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, family="fa4")
+    b = xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table, family="fa4")
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="give one"):
+        xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, block_table=table)
+    bad = table.clone()
+    bad[1, 1] = k_pool.shape[0]  # past the pool, in a page sequence 1 uses (keys 16-19)
+    with pytest.raises(PageTableError, match=r"page_table\[1, 1\] = 9: must lie in 0-8"):
+        xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=bad, family="fa4",
+                                  check_inputs=True)
+    bad[1, 1], bad[0, 2] = table[1, 1], -1
+    with pytest.raises(PageTableError, match=r"page_table\[0, 2\] = -1"):
+        xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=bad, family="fa4",
+                                  check_inputs=True)
+    with pytest.raises(ValueError, match="int32"):
+        xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table.long())
+    with pytest.raises(ValueError, match="cache_seqlens\\[0\\] = 49"):
+        xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=torch.tensor([49, 0], dtype=torch.int32),
+                                  page_table=table, check_inputs=True)
+    with pytest.raises(NotImplementedError, match="multiple of 64"):
+        xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, family="ffpa")
+    strided = torch.randn(6, 2, 64, 16, dtype=torch.float64).transpose(1, 2)[:, :64]  # pages not one after another
+    t2 = torch.arange(4, dtype=torch.int32).view(2, 2)
+    with pytest.raises(ValueError, match="flat"):
+        xt.attention_with_kvcache(q, strided, strided, cache_seqlens=seqlens, page_table=t2, family="ffpa")

@@ -1,0 +1,121 @@
+"""Decoding against a paged KV cache on torch tensors (issue #44); plans and rules: :mod:`xattn.core.paged`.
+
+Pools ``k_pages/v_pages [NP, PS, Hkv, D/Dv]``, ``page_table [B, P]`` int32, ``lengths [B]`` int32 on the device
+(never read on the host). One call is one or two paged launches and FlashAttention's combine:
+
+* the **splits**: a virtual batch of ``S * B`` entries, slot-major (entry ``s * B + b``: sequence b's split s),
+  so the partials are ``[S, B, ...]`` as the combine reads them; ``kv_meta [S * B, 1 + pps]`` holds each
+  entry's keys and its page-table columns, built by device arithmetic (no sync, CUDA-graph safe);
+* the **causal tail** (Nq > 1): one causal entry per sequence from the page holding key ``L - Nq``;
+* with a window, or one split: a single launch over each sequence's whole table (no combine).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from xattn.core import paged, split_kv
+from xattn.core.split_kv import CombineSpec
+
+from . import ops
+from .split_kv import num_sms
+
+__all__ = ["paged_forward", "append_paged", "check_page_table"]
+
+
+def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, lengths: Tensor, family: str,
+                  scale: float, causal: bool, left, right, num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    """``(out [B, Nq, Hq, Dv], lse [B, Hq, Nq] fp32)`` of q ``[B, Nq, Hq, D]`` on each sequence's first
+    ``lengths[b]`` keys of the paged cache; window sides None = unbounded; ``num_splits`` as FlashAttention's
+    (0 auto, 1 one launch, n > 1 at most n splits)."""
+    b, nq, hq, d = q.shape
+    ps, hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
+    max_pages = page_table.shape[1]
+    local = left is not None or right is not None
+    splits = num_splits or split_kv.decode_splits(family, b, hkv, hq // hkv, nq, max_pages * ps, num_sms(q.device))
+    kp, vp = _pools(family, k_pages, v_pages)
+    table = page_table.to(torch.int32)
+    if local or splits == 1:  # one entry per sequence, its whole table: the kernel masks as asked
+        meta = torch.cat([lengths.to(torch.int32)[:, None], table], dim=1)
+        return _launch(family, q, kp, vp, meta, ps, causal, left, right, scale)
+    plan = paged.plan_paged(splits, causal, nq, max_pages)
+    pps, s = plan.pages_per_split, plan.splits
+    n = lengths.to(torch.int64)
+    tail_page = (n - n.clamp(max=nq)) // ps if plan.tail else None
+    before = tail_page * ps if plan.tail else n
+    span = pps * ps
+    keys = (before[None, :] - torch.arange(s, device=q.device)[:, None] * span).clamp(0, span)  # [S, B]
+    if plan.padded:
+        table = torch.nn.functional.pad(table, (0, s * pps - max_pages))
+    cols = table.view(b, s, pps).transpose(0, 1)  # [S, B, pps]
+    meta = torch.cat([keys.to(torch.int32)[..., None], cols], dim=2).view(s * b, 1 + pps)
+    q_entries = q.unsqueeze(0).expand(s, b, nq, hq, d).reshape(s * b, nq, hq, d)
+    out_p = torch.empty((plan.partials, b, nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse_p = torch.empty((plan.partials, b, hq, nq), dtype=torch.float32, device=q.device)
+    _launch(family, q_entries, kp, vp, meta, ps, False, None, None, scale, out_p[:s].view(s * b, nq, hq, dv),
+            lse_p[:s].view(s * b, hq, nq))
+    if plan.tail:
+        width = -(-(ps + nq - 1) // ps)  # the tail's keys span at most this many pages
+        at = (tail_page[:, None] + torch.arange(width, device=q.device)).clamp(max=max_pages - 1)
+        tail_meta = torch.cat([(n - before).to(torch.int32)[:, None], page_table.to(torch.int32).gather(1, at)], 1)
+        _launch(family, q, kp, vp, tail_meta, ps, True, None, None, scale, out_p[s], lse_p[s])
+    out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    ops.LAUNCH["combine"](CombineSpec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
+                          lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
+    return out, lse
+
+
+def _pools(family: str, k_pages: Tensor, v_pages: Tensor) -> tuple[Tensor, Tensor]:
+    """The pools as the family's launcher reads them: FA4 its own ``[NP, PS, H, D]``, FFPA the flat
+    ``[NP*PS, H, D]`` view (a view only where each page follows the previous one in memory)."""
+    if family != "ffpa":
+        return k_pages, v_pages
+    out = []
+    for name, t in (("k_cache", k_pages), ("v_cache", v_pages)):
+        if t.stride(0) != t.shape[1] * t.stride(1):
+            raise ValueError(f"{name}: FFPA reads the pool as one flat [pages * page_size, Hkv, D] view, so a page "
+                             f"must follow the previous one in memory (stride(0) == page_size * stride(1)); got "
+                             f"strides {tuple(t.stride())}")
+        out.append(t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3]))
+    return out[0], out[1]
+
+
+def _launch(family, q, kp, vp, meta, ps, causal, left, right, scale, out=None, lse=None):
+    """One paged launch over ``meta``'s entries; returns (out, lse) (allocated when not given)."""
+    b, nq, hq, _ = q.shape
+    dv = vp.shape[-1]
+    spec = ops.paged_spec(family, str(q.dtype).removeprefix("torch."), q.shape[-1], dv, hq // kp.shape[-2], causal,
+                          left, right, ps)
+    fill = spec.output_fill()
+    if out is None:
+        out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    if fill:  # FFPA skips an entry without keys: it must read (0, -inf)
+        out.zero_()
+        lse.fill_(float("-inf"))
+    ops.LAUNCH["paged"](spec, q, kp, vp, meta, out, lse, softmax_scale=scale)
+    return out, lse
+
+
+def append_paged(k_pages: Tensor, v_pages: Tensor, page_table: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> None:
+    """Write k/v ``[B, Nn, Hkv, D]`` into the pools at sequence positions ``lengths[b] + j`` through the page
+    table (device indices, no sync)."""
+    b, new = k.shape[0], k.shape[1]
+    ps = k_pages.shape[1]
+    if k.shape[2:] != k_pages.shape[2:] or v.shape[:2] != k.shape[:2] or v.shape[2:] != v_pages.shape[2:] or \
+            b != page_table.shape[0]:
+        raise ValueError(f"k/v: expected [B={page_table.shape[0]}, Nn, Hkv, D] matching the pools "
+                         f"{tuple(k_pages.shape)} / {tuple(v_pages.shape)}, got {tuple(k.shape)} / {tuple(v.shape)}")
+    pos = lengths.to(torch.int64)[:, None] + torch.arange(new, device=k.device)
+    pages = page_table.to(torch.int64).gather(1, (pos // ps).clamp(max=page_table.shape[1] - 1))
+    k_pages[pages, pos % ps] = k.to(k_pages.dtype)
+    v_pages[pages, pos % ps] = v.to(v_pages.dtype)
+
+
+def check_page_table(page_table: Tensor, lengths: Tensor, num_pages: int, page_size: int) -> None:
+    """Checked mode: the rules of :func:`xattn.core.paged.page_table_problem` (one host copy each)."""
+    why = paged.page_table_problem(page_table.tolist(), lengths.tolist(), num_pages, page_size)
+    if why:
+        raise paged.PageTableError(why)
