@@ -10,6 +10,8 @@ do_bench flushes the L2 cache between runs). Impls:
 * ``xattn``: the route :func:`xattn.core.routes.forward_route` picks (``split-kv`` where the rule splits);
 * ``xattn-fused``: ``num_splits=1``, the fused kernel (the route before #43);
 * ``xattn-sN``: ``num_splits=N`` (a sweep of the split count);
+* ``xattn-pagedPS``: ``xt.attention_with_kvcache(..., page_table=)`` on the same keys in a pool of shuffled pages
+  of PS rows (rows get ``paged: true, page_size``; issue #44);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]`` layout with
   ``enable_gqa`` (at q_len 1 causal is no mask).
 
@@ -63,6 +65,19 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=nq > 1, enable_gqa=True)  # noqa: E731
         row.update(route="sdpa", splits=None)
+    elif impl.startswith("xattn-paged"):  # the same keys in a pool of shuffled pages (issue #44)
+        ps = int(impl.removeprefix("xattn-paged"))
+        pages = b * nk // ps
+        perm = torch.randperm(pages, device="cuda", generator=g)
+        k_pool = torch.empty(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v_pool = torch.empty_like(k_pool)
+        k_pool[perm] = k.reshape(pages, ps, hkv, d)
+        v_pool[perm] = v.reshape(pages, ps, hkv, d)
+        table = perm.view(b, nk // ps).to(torch.int32)
+        lengths = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+        fn = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, causal=True,  # noqa: E731
+                                               page_table=table)
+        row.update(route="paged", splits=None, paged=True, page_size=ps)
     else:
         fixed = {"xattn": 0, "xattn-fused": 1}
         num_splits = fixed[impl] if impl in fixed else int(impl.removeprefix("xattn-s"))

@@ -112,6 +112,15 @@ def specs(recorded=None, fuzz=False):
                 add(family, d, d, g, causal, varlen=True, dtype=dtype, directions=("fwd",))
             out.append(CombineSpec(family, dtype, d))
     add("fa4", 128, 128, 4, False, varlen=True, window=(64, 0), directions=("fwd",))  # tests/torch/test_kvcache_gpu.py
+    paged = [("ffpa", 512, (8, 4), (64, 256)), ("ffpa", 384, (1,), (128,)), ("fa4", 128, (8, 4), (16, 64, 128, 256)),
+             ("fa4", 256, (2,), (64, 256))]  # tests/torch/test_paged_gpu.py and the decode bench's paged rows
+    for family, d, gs, sizes in paged:
+        for g in gs:
+            for ps in sizes:
+                for causal in (False, True):
+                    out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, causal, page_size=ps))
+    out.append(KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, False, False, 1023, 0, page_size=256))
+    out.append(CombineSpec("ffpa", "bfloat16", 384))
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):
