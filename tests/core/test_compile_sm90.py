@@ -59,7 +59,9 @@ SHIPPED += [_gemm("acc", d32=True), _gemm("acc"), _gemm("probs_causal", "float16
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 8, page_size=256),
     KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=128),
-    KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, True, page_size=16))]
+    KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, True, page_size=16),
+    KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 4, True, True, page_size=64),  # prefill over the pages
+    KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, True, True, page_size=16))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

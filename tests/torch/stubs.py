@@ -121,9 +121,16 @@ def _stub_combine():
 
 
 def _stub_paged():
-    def run(spec, q, k_pool, v_pool, kv_meta, out, lse, *, softmax_scale, stream=None):
+    def run(spec, q, k_pool, v_pool, kv_meta, out, lse, *, softmax_scale, cu_seqlens_q=None, stream=None):
         """A paged forward in fp64 (xattn.core.api.launch_paged_fwd's contract): row b reads its first
-        kv_meta[b, 0] keys through its page-table columns kv_meta[b, 1:]; masks bottom-right aligned on them."""
+        kv_meta[b, 0] keys through its page-table columns kv_meta[b, 1:]; masks bottom-right aligned on them.
+        Varlen: sequence b's queries are rows cu_seqlens_q[b]..[b + 1] (as [1, n, H, D]; lse [Hq, Tq])."""
+        assert (cu_seqlens_q is not None) == spec.varlen
+        if spec.varlen:
+            cu = cu_seqlens_q.tolist()
+            views = [(q[None, a:z], out[None, a:z], lse[:, a:z].unsqueeze(0)) for a, z in zip(cu, cu[1:])]
+        else:
+            views = [(q[b:b + 1], out[b:b + 1], lse[b:b + 1]) for b in range(q.shape[0])]
         ps = spec.page_size
         k4 = k_pool.view(-1, ps, *k_pool.shape[-2:]) if k_pool.dim() == 3 else k_pool  # FFPA: the flat view
         v4 = v_pool.view(-1, ps, *v_pool.shape[-2:]) if v_pool.dim() == 3 else v_pool
@@ -132,26 +139,27 @@ def _stub_paged():
         for b, row in enumerate(meta):
             n, pages = row[0], row[1:1 + -(-row[0] // ps)]
             assert 0 <= n <= (len(row) - 1) * ps and all(0 <= p < k4.shape[0] for p in pages), (b, row)
+            q_b, out_b, lse_b = views[b]
             if n == 0:  # no key: FFPA leaves the row as pre-filled, FA4 writes 0 / -inf
                 if spec.output_fill():
-                    assert torch.all(out[b] == 0) and torch.all(torch.isneginf(lse[b])), "not pre-filled"
-                out[b].zero_()
-                lse[b].fill_(float("-inf"))
+                    assert torch.all(out_b == 0) and torch.all(torch.isneginf(lse_b)), "not pre-filled"
+                out_b.zero_()
+                lse_b.fill_(float("-inf"))
                 continue
             k = k4[pages].reshape(-1, *k4.shape[-2:])[:n]
             v = v4[pages].reshape(-1, *v4.shape[-2:])[:n]
-            o, l_ = ref_attention(q[b:b + 1], k[None], v[None], scale=softmax_scale, causal=causal, window=window)
-            out[b].copy_(o[0])
-            lse[b].copy_(l_[0])
+            o, l_ = ref_attention(q_b, k[None], v[None], scale=softmax_scale, causal=causal, window=window)
+            out_b.copy_(o)
+            lse_b.copy_(l_)
         CALLS.append(("paged", spec.family))
     return run
 
 
-def paged_spec_any_head_dim(family, dtype, d, dv, g, causal, left, right, page_size):
+def paged_spec_any_head_dim(family, dtype, d, dv, g, causal, left, right, page_size, varlen=False):
     """The paged support check as the kernels would see the call (bf16, a head dim the family runs), with the
     call's own dtype and head dims put back (the stand-in computes in fp64 at any)."""
     kd = 512 if family == "ffpa" else 128
-    spec = _real_paged_spec(family, "bfloat16", kd, kd, g, causal, left, right, page_size)
+    spec = _real_paged_spec(family, "bfloat16", kd, kd, g, causal, left, right, page_size, varlen)
     return dataclasses.replace(spec, dtype=dtype, head_dim=d, head_dim_v=dv)
 
 

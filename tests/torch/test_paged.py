@@ -114,3 +114,37 @@ def test_block_table_is_page_table_and_the_errors_are_named():
     t2 = torch.arange(4, dtype=torch.int32).view(2, 2)
     with pytest.raises(ValueError, match="flat"):
         xt.attention_with_kvcache(q, strided, strided, cache_seqlens=seqlens, page_table=t2, family="ffpa")
+
+
+@pytest.mark.parametrize("family, ps, hkv", [("ffpa", 64, 2), ("fa4", 16, 1), ("fa4", 64, 4)])
+def test_paged_attention_packed_prefill_and_decode_mix(family, ps, hkv):
+    """vLLM's call: packed queries (a 37-token prefill, a 1-token decode, an empty request, a 5-token chunk),
+    each on its own paged keys, causal bottom-right; trailing rows past cu_seqlens_q[-1] read 0 / -inf."""
+    g = torch.Generator().manual_seed(ps + hkv)
+    d, hq, max_pages = 16, 4, 6
+    lengths = [min(n, max_pages * ps) for n in (37, 200, 0, 60)]
+    k_pool, v_pool, table = _paged_cache(lengths, max_pages, ps, hkv, d, g)
+    q_lens = [min(37, lengths[0]), 1, 0, 5]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]) + 3, hq, d, generator=g, dtype=torch.float64)  # 3 trailing rows
+    seqused = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                                  causal=True, return_softmax_lse=True, family=family, check_inputs=True)
+    kc, vc = _contiguous(k_pool, table), _contiguous(v_pool, table)
+    for i, (a, z) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        if z == a:
+            continue
+        want, want_lse = ref_attention(q[None, a:z], kc[i:i + 1, :lengths[i]], vc[i:i + 1, :lengths[i]],
+                                       scale=d ** -0.5, causal=True)
+        assert (out[a:z] - want[0]).abs().max() < 1e-10
+        assert (lse[:, a:z].double() - want_lse[0]).abs().max() < 1e-5
+    assert torch.all(out[int(cu[-1]):] == 0) and torch.all(torch.isneginf(lse[:, int(cu[-1]):]))
+    dense = xt.paged_attention(q[None, :1], k_pool, v_pool, table[:1], seqused[:1], family=family)  # the decode path
+    want, _ = ref_attention(q[None, :1], kc[:1, :lengths[0]], vc[:1, :lengths[0]], scale=d ** -0.5)
+    assert (dense - want).abs().max() < 1e-10
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected int32"):
+        xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu[:-1])
+    bad = cu.clone()
+    bad[2] = bad[1] - 1
+    with pytest.raises(ValueError, match="never decrease"):
+        xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=bad, family=family, check_inputs=True)

@@ -85,3 +85,30 @@ def test_paged_decode_steps_under_a_cuda_graph():
             ref, _ = ref_attention(q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n], scale=d ** -0.5, causal=True)
             assert rel_err(out[i:i + 1], ref) < 1e-2
         seqlens += 1
+
+
+@pytest.mark.parametrize("family, d, hq, hkv, ps", [("ffpa", 512, 32, 4, 64), ("ffpa", 512, 32, 4, 256),
+                                                     ("fa4", 128, 32, 8, 16), ("fa4", 256, 32, 16, 64)])
+def test_paged_prefill_and_decode_mix_vs_fp64(family, d, hq, hkv, ps):
+    """vLLM's varlen call over the pages: a 3000-token prefill, a decode step, an empty request and a 700-token
+    chunk of a longer sequence, causal bottom-right on each sequence's keys; trailing rows read 0 / -inf."""
+    g = torch.Generator(device="cuda").manual_seed(ps + d)
+    lengths = [3000, 4097, 0, 2500]
+    max_pages = -(-max(lengths) // ps)
+    k_pool, v_pool, table = _pool(lengths, max_pages, ps, hkv, d, g)
+    q_lens = [3000, 1, 0, 700]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(int(cu[-1]) + 5, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = xt.paged_attention(q, k_pool, v_pool, table, torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+                                  cu_seqlens_q=cu, max_seqlen_q=3000, causal=True, return_softmax_lse=True,
+                                  family=family)
+    kc, vc = _contiguous(k_pool, table), _contiguous(v_pool, table)
+    bounds = cu.tolist()
+    for i, (a, z) in enumerate(zip(bounds, bounds[1:])):
+        if z == a:
+            continue
+        ref, ref_lse = ref_attention(q[None, a:z], kc[i:i + 1, :lengths[i]], vc[i:i + 1, :lengths[i]],
+                                     scale=d ** -0.5, causal=True)
+        assert rel_err(out[None, a:z], ref) < 1e-2, i
+        assert (lse[:, a:z].double() - ref_lse[0]).abs().max() < 1e-3, i
+    assert torch.all(out[bounds[-1]:] == 0) and torch.all(torch.isneginf(lse[:, bounds[-1]:]))

@@ -203,21 +203,26 @@ def launch_combine(spec: CombineSpec, out_partial, lse_partial, out, lse, *, str
 
 
 def launch_paged_fwd(spec: KernelSpec, q, k_pages, v_pages, kv_meta, out, lse, *, softmax_scale: float,
-                     stream: int | None = None) -> None:
-    """Enqueue a paged-KV forward (:mod:`xattn.core.paged_sm90`, ``spec.page_size`` set): q ``[B, Nq, Hq, D]``,
-    the pools (FFPA: ``[NP*PS, Hkv, D]``, the flat view of its pages; FA4: ``[NP, PS, Hkv, D]``), ``kv_meta
-    [B, 1 + P]`` int32 (row b: its keys, then its page table; values trusted, :mod:`xattn.core.paged`);
-    writes out ``[B, Nq, Hq, Dv]`` and lse ``[B, Hq, Nq]`` fp32 (FFPA: pre-filled 0 / -inf by the caller,
-    :meth:`KernelSpec.output_fill`). Buffers are checked in C by the launcher."""
+                     cu_seqlens_q=None, stream: int | None = None) -> None:
+    """Enqueue a paged-KV forward (:mod:`xattn.core.paged_sm90`, ``spec.page_size`` set): q ``[B, Nq, Hq, D]``
+    (varlen spec: ``[Tq, Hq, D]`` with ``cu_seqlens_q`` int32 ``[B + 1]``), the pools (FFPA: ``[NP*PS, Hkv, D]``,
+    the flat view of its pages; FA4: ``[NP, PS, Hkv, D]``), ``kv_meta [B, 1 + P]`` int32 (row b: its keys, then
+    its page table; values trusted, :mod:`xattn.core.paged`); writes out ``[B, Nq, Hq, Dv]`` / ``[Tq, Hq, Dv]``
+    and lse ``[B, Hq, Nq]`` / ``[Hq, Tq]`` fp32, pre-filled by the caller as :meth:`KernelSpec.output_fill` says.
+    Buffers are checked in C by the launcher."""
     reason = supports(spec)
     if spec.page_size is None or reason:
         raise ValueError(f"launch_paged_fwd: {spec.short_name()} is not a paged forward ({reason or 'page_size None'})")
+    if (cu_seqlens_q is None) == spec.varlen:
+        raise ValueError(f"cu_seqlens_q: {'required' if spec.varlen else 'not taken'} by {spec.short_name()}")
+    args = (q, k_pages, v_pages, kv_meta, out, lse) if not spec.varlen else \
+        (q, k_pages, v_pages, cu_seqlens_q, kv_meta, out, lse)
     function = get_launcher(spec).function
     if stream is None:
-        function(q, k_pages, v_pages, kv_meta, out, lse, softmax_scale)
+        function(*args, softmax_scale)
         return
     _check_stream(stream)
-    views = [as_tensor(a, "buffer") for a in (q, k_pages, v_pages, kv_meta, out, lse)]
+    views = [as_tensor(a, "buffer") for a in args]
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
         function(*views, softmax_scale)
 

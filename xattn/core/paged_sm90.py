@@ -3,8 +3,10 @@ entry, :mod:`xattn.core.paged`) per batch row. Compiled once per :class:`KernelS
 
 Launcher signatures (glossary of :mod:`xattn.core.paged`; NP pages of PS rows, P page-table columns)::
 
-  ffpa: q[B,Nq,Hq,D] k[NP*PS,Hkv,D] v[NP*PS,Hkv,D] kv_meta[B,1+P] i32, out[B,Nq,Hq,D] lse[B,Hq,Nq] f32, scale
-  fa4 : q[B,Nq,Hq,D] k[NP,PS,Hkv,D] v[NP,PS,Hkv,Dv] kv_meta[B,1+P] i32, out lse, scale
+  ffpa dense : q[B,Nq,Hq,D] k[NP*PS,Hkv,D] v[NP*PS,Hkv,D] kv_meta[B,1+P] i32, out[B,Nq,Hq,D] lse[B,Hq,Nq] f32, scale
+  fa4  dense : q[B,Nq,Hq,D] k[NP,PS,Hkv,D] v[NP,PS,Hkv,Dv] kv_meta[B,1+P] i32, out lse, scale
+  varlen     : q[Tq,Hq,D] k v cu_q[B+1] i32 kv_meta[B,1+P] i32, out[Tq,Hq,Dv] lse[Hq,Tq], scale  (prefill over
+               the pages: sequence b's queries are rows cu_q[b]..cu_q[b+1], bottom-right aligned on its keys)
 
 ``kv_meta`` row b: column 0 the keys of row b (``seqused_k``), then its page table. FFPA reads the pool as one
 flat ``[NP*PS, Hkv, D]`` view (pages contiguous in the pool); FA4 as its own paged layout. FFPA's output needs
@@ -143,6 +145,13 @@ class _FfpaPaged:
         self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, None, mKVMeta, None, None, None, stream)
 
 
+class _FfpaPagedVarlen(_FfpaPaged):
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                 mKVMeta: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, stream):
+        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mKVMeta, None, None, None, stream)
+
+
 class _Fa4Paged:
     def __init__(self, kernel, spec: KernelSpec):
         self.kernel, self.wl, self.wr = kernel, spec.window_left, spec.window_right
@@ -150,14 +159,24 @@ class _Fa4Paged:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKVMeta: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, stream):
+        self._run(mQ, mK, mV, None, mKVMeta, mO, mLSE, softmax_scale, stream)
+
+    def _run(self, mQ, mK, mV, mCuSeqlensQ, mKVMeta, mO, mLSE, softmax_scale, stream):  # traced inline
         rows, cols = mKVMeta.shape
         seqused = cute.make_tensor(mKVMeta.iterator, cute.make_layout((rows,), stride=(mKVMeta.stride[0],)))
         table = cute.make_tensor(mKVMeta.iterator + 1,
                                  cute.make_layout((rows, cols - 1), stride=(mKVMeta.stride[0], 1)))
         wl = None if self.wl is None else Int32(self.wl)
         wr = None if self.wr is None else Int32(self.wr)
-        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, None, None, None, seqused, table, wl, wr, None, None,
-                    AuxData(), None, None, stream)
+        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, None, None, seqused, table, wl, wr, None,
+                    None, AuxData(), None, None, stream)
+
+
+class _Fa4PagedVarlen(_Fa4Paged):
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                 mKVMeta: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, stream):
+        self._run(mQ, mK, mV, mCuSeqlensQ, mKVMeta, mO, mLSE, softmax_scale, stream)
 
 
 def _fakes(spec: KernelSpec):
@@ -172,8 +191,14 @@ def _fakes(spec: KernelSpec):
         pages, page_rows = sym(), sym()
         pool = lambda d: make_fake_tensor(dtype, (pages, page_rows, hkv, d), divisibility=div)  # noqa: E731
     d, dv = spec.head_dim, spec.head_dim_v
-    return (make_fake_tensor(dtype, (b, nq, hq, d), divisibility=div), pool(d), pool(dv),
-            make_fake_tensor(Int32, (b, cols), divisibility=1),
+    meta = make_fake_tensor(Int32, (b, cols), divisibility=1)
+    if spec.varlen:  # q/out [Tq, H, D], lse [Hq, Tq], cu_seqlens_q [B + 1]
+        tq, b1 = sym(), sym()
+        return (make_fake_tensor(dtype, (tq, hq, d), divisibility=div), pool(d), pool(dv),
+                make_fake_tensor(Int32, (b1,), divisibility=1), meta,
+                make_fake_tensor(dtype, (tq, hq, dv), divisibility=div),
+                make_fake_tensor(Float32, (hq, tq), divisibility=1))
+    return (make_fake_tensor(dtype, (b, nq, hq, d), divisibility=div), pool(d), pool(dv), meta,
             make_fake_tensor(dtype, (b, nq, hq, dv), divisibility=div),
             make_fake_tensor(Float32, (b, hq, nq), divisibility=1))
 
@@ -188,7 +213,7 @@ def compile_paged(spec: KernelSpec, trace: list | None = None):
             raise NotImplementedError(f"{spec.short_name()}: FFPA's key tile is {kernel.tile_n} rows, "
                                       f"page_size {spec.page_size} must hold whole tiles")
         with _paged_names(spec.page_size // kernel.tile_n) as tracing:
-            fn = compile_launcher(_FfpaPaged(kernel), _fakes(spec))
+            fn = compile_launcher((_FfpaPagedVarlen if spec.varlen else _FfpaPaged)(kernel), _fakes(spec))
         if trace is not None:
             trace.append(tracing.mapped)
         return fn
@@ -199,4 +224,4 @@ def compile_paged(spec: KernelSpec, trace: list | None = None):
         tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, num_stages=2, num_threads=384, Q_in_regs=False,
         intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs,
         paged_kv_non_tma=spec.page_size != cfg.n_block_size)
-    return compile_launcher(_Fa4Paged(kernel, spec), _fakes(spec))
+    return compile_launcher((_Fa4PagedVarlen if spec.varlen else _Fa4Paged)(kernel, spec), _fakes(spec))

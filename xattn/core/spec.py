@@ -70,7 +70,7 @@ class KernelSpec:
       causal: bottom-right aligned causal mask (FlashAttention convention).
       varlen: packed ``[T, H, D]`` layout with ``cu_seqlens``.
       window_left / window_right: sliding window (FA4 forward only), ``None`` = unbounded.
-      page_size: a paged KV cache's page size (forward, dense q; :mod:`xattn.core.paged_sm90`), ``None``: not paged.
+      page_size: a paged KV cache's page size (forward; :mod:`xattn.core.paged_sm90`), ``None``: not paged.
       arch: CuTeDSL target, ``"sm_90a"``.
       versions: library versions, so a disk cache never mixes builds.
     """
@@ -165,8 +165,8 @@ def _paged_reason(spec: KernelSpec) -> str | None:
     ps = spec.page_size
     if isinstance(ps, bool) or not isinstance(ps, int) or not 16 <= ps <= 256:
         return f"page_size must be an int in 16-256, got {ps!r}"
-    if spec.direction != "fwd" or spec.varlen:
-        return "a paged KV cache is read by the forward with dense queries (decoding) only"
+    if spec.direction != "fwd":
+        return "a paged KV cache is read by the forward only (decoding and prefill over the pages; no gradient)"
     if spec.family == "ffpa" and ps % PAGED_FFPA_TILE:
         return (f"FFPA reads keys in {PAGED_FFPA_TILE}-row tiles, so its pages must hold whole tiles: page_size "
                 f"a multiple of {PAGED_FFPA_TILE}, got {ps}")

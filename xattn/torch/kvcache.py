@@ -20,7 +20,7 @@ from xattn.core.split_kv import MAX_PARTIALS
 from . import ops, paged, split_kv
 from .attention import as_input, attention_with_lse, checked_scale, default_family, mask_args
 
-__all__ = ["attention_with_kvcache", "lengths_forward"]
+__all__ = ["attention_with_kvcache", "paged_attention", "lengths_forward"]
 
 _ROUTES = Memo(256)  # the call's sizes and knobs -> its forward Route
 _CU_Q = Memo(256)  # (B, Nq, device) -> the fused route's cu_seqlens_q (sequence b, then a gap document)
@@ -87,6 +87,63 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     return (out, lse) if return_softmax_lse else out
 
 
+def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, cu_seqlens_q=None, max_seqlen_q=None,
+                    softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0, return_softmax_lse=False,
+                    family: str | None = None, check_inputs: bool | None = None):
+    """Attention of q on a paged KV cache, FlashAttention's names (no gradient; nothing appended).
+
+    Pools ``k_pages/v_pages [num_pages, page_size, Hkv, D/Dv]``, ``page_table [B, max_pages]`` int32 and
+    ``seqused_k [B]`` int32 (each sequence's keys) as in :func:`attention_with_kvcache`. Dense q
+    ``[B, Nq, Hq, D]`` (decoding: the split route) -> out ``[B, Nq, Hq, Dv]``, lse ``[B, Hq, Nq]``; packed q
+    ``[Tq, Hq, D]`` with ``cu_seqlens_q [B + 1]`` int32 (prefill, or prefill mixed with decoding: vLLM's
+    ``flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=..., seqused_k=..., block_table=...)``) -> out
+    ``[Tq, Hq, Dv]``, lse ``[Hq, Tq]``; masks bottom-right aligned on each sequence's keys. ``max_seqlen_q`` is
+    accepted for FlashAttention's signature and not needed. Checked mode as :func:`attention_with_kvcache`
+    (and the cu_seqlens_q rules of the varlen entries)."""
+    q, k_pages, v_pages = as_input("q", q), as_input("k_cache", k_pages), as_input("v_cache", v_pages)
+    page_table = as_input("page_table", page_table)
+    if cu_seqlens_q is None:
+        return attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqused_k, softmax_scale=softmax_scale,
+                                      causal=causal, window_size=window_size, num_splits=num_splits,
+                                      return_softmax_lse=return_softmax_lse, page_table=page_table, family=family,
+                                      check_inputs=check_inputs)
+    cu_seqlens_q = as_input("cu_seqlens_q", cu_seqlens_q)
+    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"q/k_cache/v_cache: expected [Tq, Hq, D] / pools [num_pages, page_size, Hkv, D], got "
+                         f"{tuple(q.shape)} / {tuple(k_pages.shape)} / {tuple(v_pages.shape)}")
+    b = page_table.shape[0] if page_table.dim() == 2 else -1
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (b + 1,) or cu_seqlens_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q: expected int32 [B + 1 = {b + 1}] on {q.device}, got {cu_seqlens_q.dtype} "
+                         f"{tuple(cu_seqlens_q.shape)} on {cu_seqlens_q.device}")
+    _check_table(q, k_pages, page_table, b)
+    lengths = _lengths(seqused_k, b, q.device)
+    if ops.checking(check_inputs):
+        cu = cu_seqlens_q.tolist()
+        for i, (x, y) in enumerate(zip(cu, cu[1:])):
+            if cu[0] != 0 or y < x or cu[-1] > q.shape[0]:
+                raise ValueError(f"cu_seqlens_q: must start at 0, never decrease and end <= Tq={q.shape[0]}; "
+                                 f"got {cu[0]} at 0, {x} -> {y} at {i}, end {cu[-1]}")
+        _check_lengths(lengths, 0, page_table.shape[1] * k_pages.shape[1])
+        paged.check_page_table(page_table, lengths, k_pages.shape[0], k_pages.shape[1])
+    family = family or default_family(q.shape[-1], v_pages.shape[-1])
+    scale = checked_scale(softmax_scale, q.shape[-1])
+    causal, left, right = mask_args(causal, window_size)
+    with torch.no_grad():
+        out, lse = paged.paged_varlen_forward(q, k_pages, v_pages, cu_seqlens_q, page_table, lengths, family, scale,
+                                              causal, left, right)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_table(q, k_pages, page_table, b: int) -> None:
+    if page_table.dim() != 2 or page_table.shape[0] != b or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table: expected int32 [B={b}, max_pages], got {page_table.dtype} "
+                         f"{tuple(page_table.shape)}")
+    if page_table.device != q.device:
+        raise ValueError(f"page_table: expected on {q.device} (as q), got {page_table.device}")
+    if q.shape[-2] % k_pages.shape[2]:
+        raise ValueError(f"q/k_cache: Hq={q.shape[-2]} must be a multiple of Hkv={k_pages.shape[2]}")
+
+
 def _paged(q, k_pages, v_pages, k, v, cache_seqlens, softmax_scale, causal, window_size, num_splits,
            return_softmax_lse, page_table, family, check_inputs):
     """:func:`attention_with_kvcache` on a paged cache."""
@@ -94,13 +151,7 @@ def _paged(q, k_pages, v_pages, k, v, cache_seqlens, softmax_scale, causal, wind
         raise ValueError(f"q/k_cache/v_cache: expected [B, Nq, Hq, D] / pools [num_pages, page_size, Hkv, D], got "
                          f"{tuple(q.shape)} / {tuple(k_pages.shape)} / {tuple(v_pages.shape)}")
     b = q.shape[0]
-    if page_table.dim() != 2 or page_table.shape[0] != b or page_table.dtype != torch.int32:
-        raise ValueError(f"page_table: expected int32 [B={b}, max_pages], got {page_table.dtype} "
-                         f"{tuple(page_table.shape)}")
-    if page_table.device != q.device:
-        raise ValueError(f"page_table: expected on {q.device} (as q), got {page_table.device}")
-    if q.shape[2] % k_pages.shape[2]:
-        raise ValueError(f"q/k_cache: Hq={q.shape[2]} must be a multiple of Hkv={k_pages.shape[2]}")
+    _check_table(q, k_pages, page_table, b)
     ps, capacity = k_pages.shape[1], page_table.shape[1] * k_pages.shape[1]
     lengths = _lengths(capacity if cache_seqlens is None else cache_seqlens, b, q.device)
     if (k is None) != (v is None):

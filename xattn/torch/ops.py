@@ -38,11 +38,11 @@ __all__ = ["fwd", "bwd", "fwd_lengths", "attention_op"]
 
 _log = logging.getLogger("xattn")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-def paged_spec(family: str, dtype: str, d: int, dv: int, g: int, causal: bool, left, right,
-               page_size: int) -> KernelSpec:
+def paged_spec(family: str, dtype: str, d: int, dv: int, g: int, causal: bool, left, right, page_size: int,
+               varlen: bool = False) -> KernelSpec:
     """The compile key of one paged forward launch (:mod:`xattn.core.paged_sm90`); NotImplementedError with the
     support matrix's reason where no launcher reads it."""
-    spec = KernelSpec(family, "fwd", dtype, d, dv, g, causal, False, left, right, page_size=page_size)
+    spec = KernelSpec(family, "fwd", dtype, d, dv, g, causal, varlen, left, right, page_size=page_size)
     reason = supports(spec)
     if reason:
         raise NotImplementedError(f"paged KV cache: {reason}")

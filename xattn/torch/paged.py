@@ -21,7 +21,7 @@ from xattn.core.split_kv import CombineSpec
 from . import ops
 from .split_kv import num_sms
 
-__all__ = ["paged_forward", "append_paged", "check_page_table"]
+__all__ = ["paged_forward", "paged_varlen_forward", "append_paged", "check_page_table"]
 
 
 def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, lengths: Tensor, family: str,
@@ -64,6 +64,24 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
     ops.LAUNCH["combine"](CombineSpec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
                           lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
+    return out, lse
+
+
+def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q: Tensor, page_table: Tensor,
+                         lengths: Tensor, family: str, scale: float, causal: bool, left,
+                         right) -> tuple[Tensor, Tensor]:
+    """``(out [Tq, Hq, Dv], lse [Hq, Tq] fp32)`` of packed queries q ``[Tq, Hq, D]`` (sequence b: rows
+    ``cu_seqlens_q[b]..[b + 1]``) on each sequence's first ``lengths[b]`` paged keys, masks bottom-right aligned on
+    them: prefill (and mixed prefill/decode batches) over the pages, one launch; rows past ``cu_seqlens_q[-1]``
+    read out 0, lse -inf."""
+    kp, vp = _pools(family, k_pages, v_pages)
+    meta = torch.cat([lengths.to(torch.int32)[:, None], page_table.to(torch.int32)], dim=1)
+    hq, dv = q.shape[1], v_pages.shape[-1]
+    spec = ops.paged_spec(family, str(q.dtype).removeprefix("torch."), q.shape[-1], dv, hq // kp.shape[-2], causal,
+                          left, right, k_pages.shape[1], varlen=True)
+    out = torch.zeros((q.shape[0], hq, dv), dtype=q.dtype, device=q.device)  # the varlen kernels' pre-fill
+    lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    ops.LAUNCH["paged"](spec, q, kp, vp, meta, out, lse, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q)
     return out, lse
 
 
