@@ -148,3 +148,23 @@ def test_paged_attention_packed_prefill_and_decode_mix(family, ps, hkv):
     bad[2] = bad[1] - 1
     with pytest.raises(ValueError, match="never decrease"):
         xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=bad, family=family, check_inputs=True)
+
+
+def test_the_fa4_shims_paged_varlen_call_runs_on_xattn():
+    """flash_attn.cute's ``flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=..., seqused_k=...,
+    page_table=...)`` (vLLM's call) is served by xattn's paged launchers, lse as flash_attn.cute returns it."""
+    from xattn.torch import fa4_interface
+
+    g = torch.Generator().manual_seed(5)
+    k_pool, v_pool, table = _paged_cache([50, 9], 4, 16, 2, 16, g)
+    seqused = torch.tensor([50, 9], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)
+    q = torch.randn(4, 4, 16, generator=g, dtype=torch.float64)
+    out, lse = fa4_interface.flash_attn_varlen_func(q, k_pool, v_pool, cu_seqlens_q=cu, max_seqlen_q=3,
+                                                    seqused_k=seqused, page_table=table, causal=True,
+                                                    return_lse=True)
+    want = xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu, causal=True, family="fa4")
+    assert torch.equal(out, want) and lse.shape == (4, 4) and ("paged", "fa4") in CALLS
+    _, no_lse = fa4_interface.flash_attn_varlen_func(q, k_pool, v_pool, cu_seqlens_q=cu, seqused_k=seqused,
+                                                     page_table=table, causal=True)
+    assert no_lse is None

@@ -28,6 +28,7 @@ from xattn.core.info import missing_modules
 from xattn.core.spec import window_side
 
 from .attention import attention_with_lse
+from .kvcache import paged_attention
 
 __all__ = ["import_fa4_modules", "load_fa4", "flash_attn_func", "flash_attn_varlen_func"]
 
@@ -119,6 +120,18 @@ def _flash_attn_cute(fn, given: dict[str, Any]):
     return getattr(interface, fn.__name__)(**given)
 
 
+def _paged_served(given: dict[str, Any]) -> bool:
+    """A paged call xattn's paged launchers serve (:func:`xattn.torch.paged_attention`): ``page_table`` and
+    ``seqused_k`` with q packed by ``cu_seqlens_q`` or dense, keys only through the table (no
+    ``cu_seqlens_k``), no gradient, and nothing else xattn lacks. Any head dim xattn runs (d512 on FFPA: the
+    call vLLM makes for Gemma 4's global layers)."""
+    if given["page_table"] is None or given["seqused_k"] is None or given["cu_seqlens_k"] is not None:
+        return False
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (given["q"], given["k"], given["v"])):
+        return False
+    return _unserved(flash_attn_varlen_func, {**given, "page_table": None, "seqused_k": None}) is None
+
+
 def _fa4_window(causal: bool, window_size) -> tuple:
     """flash_attn.cute's reading of ``window_size``: ``(-1, -1)`` means unbounded; causal forces right = 0.
     Each side is first judged as everywhere in xattn (``None`` / ``-1`` unbounded, other negatives raise),
@@ -179,14 +192,22 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     int32 ``cu_seqlens_q/k [S + 1]`` -> ``(out [Tq, Hq, Dv], lse [Hq, Tq] fp32 or None)``.
 
     As :func:`flash_attn_func`, plus: ``max_seqlen_q/k`` default to the longest segment (read on the
-    host); without cu_seqlens, q/k/v are dense ``[B, N, H, D]``. ``seqused_q/k``, ``page_table`` and
-    the other unserved arguments hand the call to ``flash_attn.cute.flash_attn_varlen_func`` itself.
+    host); without cu_seqlens, q/k/v are dense ``[B, N, H, D]``. A paged call (``page_table`` with
+    ``seqused_k``, k/v pools ``[num_pages, page_size, Hkv, D]``, no ``cu_seqlens_k``, no gradient) runs on
+    xattn's paged launchers (:func:`xattn.torch.paged_attention`, any head dim xattn runs). ``seqused_q``,
+    a ``page_table`` without ``seqused_k`` and the other unserved arguments hand the call to
+    ``flash_attn.cute.flash_attn_varlen_func`` itself.
 
     Checked mode: the signature is flash_attn.cute's, so there is no ``check_inputs`` keyword here;
     ``XATTN_CHECK_INPUTS=1`` checks cu_seqlens on their device before the launch (int32, start 0,
     non-decreasing, end <= T, segments <= max_seqlen; one host sync; a ``ValueError`` naming the first
     bad index). Unchecked (the default), bad cu_seqlens are undefined behaviour, as in flash_attn.cute."""
     given = dict(locals())
+    if _paged_served(given):
+        out, lse = paged_attention(q, k, v, page_table, seqused_k, cu_seqlens_q=cu_seqlens_q,
+                                   softmax_scale=softmax_scale, causal=causal,
+                                   window_size=_fa4_window(causal, window_size), return_softmax_lse=True)
+        return out, (lse if return_lse else None)
     handed = _flash_attn_cute(flash_attn_varlen_func, given)
     if handed is not None:
         return handed
