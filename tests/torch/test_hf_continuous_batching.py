@@ -1,0 +1,93 @@
+"""HF continuous batching (``generate_batch``) on xattn's kernels (issue #44, item 3), on the CPU stand-ins: the
+``"ffpa_flash"`` registration, packed prefill chunks mixed with decoding steps, sliding and full layers, layers
+reusing another layer's keys (their cu_seqlens come as a dict). bf16, judged by values: the log-probability CB
+reports for each generated token against fp32 of the same (rounded) weights teacher-forced on those tokens, next to
+transformers' own bf16 sdpa continuous batching judged the same way (the yardstick)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf import continuous_batching as cb, support  # noqa: E402
+
+from . import stubs  # noqa: E402
+
+PROMPTS = [[2, 5, 7, 9, 11, 13, 3], [2, 4, 6], [2, 8, 8, 8, 8, 8, 8, 8, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    stubs.install(monkeypatch)
+    monkeypatch.setattr(support, "kernels_available", lambda: None)
+    fa._FALLBACK_WARNED.clear()
+
+
+def _model(head_dim: int, shared: int, sliding: bool = True):
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(  # one head dim for every layer: transformers' CB cache sizes all full layers alike
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, global_head_dim=head_dim, sliding_window=4,
+        layer_types=["sliding_attention" if sliding else "full_attention", "full_attention"] * 2,
+        max_position_embeddings=256,
+        num_kv_shared_layers=shared, vocab_size_per_layer_input=64, hidden_size_per_layer_input=16)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("q_norm.weight"):
+                p.fill_(0.1)  # scores in a sane range: the log-probabilities compare to fp32 noise
+    return net
+
+
+def _run(net):
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=16, auto_switch_to_flash=False,
+                                      return_logprobs=True)  # 16 tokens a step: prefill chunks mix with decoding
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = net.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=config)
+    assert all(r.error is None for r in out.values()), [r.error for r in out.values()]
+    return [(r.generated_tokens, r.logprobs) for r in sorted(out.values(), key=lambda r: int(r.request_id[4:]))]
+
+
+def _teacher_forced(truth, runs):
+    """Per request, fp32 log-probabilities of its generated tokens after its prompt (one forward each)."""
+    out = []
+    for prompt, (tokens, _) in zip(PROMPTS, runs):
+        seq = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(truth(input_ids=seq, use_cache=False).logits[0].double(), -1)
+        out.append([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)])
+    return out
+
+
+def _err(runs, truth_logprobs):
+    return max(abs(a - b) for (_, got), want in zip(runs, truth_logprobs) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("head_dim, family", [(64, "fa4"), (384, "ffpa")])
+@pytest.mark.parametrize("shared", [0, 2], ids=["own-keys", "kv-shared-layers"])
+def test_generate_batch_on_xattn_vs_fp32(head_dim, family, shared):
+    net = _model(head_dim, shared).to(torch.bfloat16)
+    truth = _model(head_dim, shared)
+    truth.load_state_dict({k: v.float() for k, v in net.state_dict().items()})  # the same rounded weights
+    sdpa = _run(net)
+    stubs.CALLS.clear()
+    cb.enable_continuous_batching(net)
+    ours = _run(net)
+    assert ("fwd", family) in stubs.CALLS  # the (stand-in) kernels ran, not a fallback
+    assert [len(t) for t, _ in ours] == [8] * len(PROMPTS)
+    err, yardstick = _err(ours, _teacher_forced(truth, ours)), _err(sdpa, _teacher_forced(truth, sdpa))
+    assert err <= 1.5 * yardstick + 0.02, (err, yardstick)
+
+
+def test_the_name_is_one_continuous_batching_accepts():
+    from transformers import AttentionInterface
+
+    assert "flash" in cb.NAME and cb.register_continuous_batching() == cb.NAME
+    assert AttentionInterface._global_mapping[cb.NAME] is cb.attention_forward

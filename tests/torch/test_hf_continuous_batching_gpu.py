@@ -1,0 +1,50 @@
+"""HF continuous batching on the H200 with the real kernels (issue #44, item 3): ``"ffpa_flash"`` against fp32
+of the same weights teacher-forced on the generated tokens, next to transformers' own bf16 sdpa continuous
+batching (the yardstick); FA4 (head dim 256, sliding and full layers) and FFPA (512, full layers), with and
+without CB's CUDA graphs (a "flash" name turns them on by default on CUDA: the attention call must not sync)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from xattn.torch import ffpa_attention as fa  # noqa: E402
+from xattn.torch.hf import continuous_batching as cb, support  # noqa: E402
+
+from . import test_hf_continuous_batching as cpu  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _gpu():
+    if not torch.cuda.is_available() or support.kernels_available() is not None:
+        pytest.skip(f"needs the sm90 kernels on a GPU: {support.kernels_available()}")
+    fa._FALLBACK_WARNED.clear()
+
+
+def _run(net, graphs: bool):
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    config = ContinuousBatchingConfig(page_size=256, num_blocks=32, max_batch_tokens=16, auto_switch_to_flash=False,
+                                      return_logprobs=True, use_cuda_graph=graphs)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = net.generate_batch(cpu.PROMPTS, generation_config=gen, continuous_batching_config=config)
+    assert all(r.error is None for r in out.values()), [r.error for r in out.values()]
+    return [(r.generated_tokens, r.logprobs) for r in sorted(out.values(), key=lambda r: int(r.request_id[4:]))]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_generate_batch_on_the_kernels_vs_fp32(head_dim, graphs):
+    sliding = head_dim <= 256  # FFPA has no window: d512 sliding layers would run on the fallback
+    net = cpu._model(head_dim, 2, sliding).to(device="cuda", dtype=torch.bfloat16)
+    truth = cpu._model(head_dim, 2, sliding)
+    truth.load_state_dict({k: v.float().cpu() for k, v in net.state_dict().items()})
+    sdpa = _run(net, graphs)
+    cb.enable_continuous_batching(net)
+    ours = _run(net, graphs)
+    assert not fa._FALLBACK_WARNED, fa._FALLBACK_WARNED
+    err, yardstick = cpu._err(ours, cpu._teacher_forced(truth, ours)), cpu._err(sdpa, cpu._teacher_forced(truth, sdpa))
+    assert err <= 1.5 * yardstick + 0.02, (err, yardstick)
