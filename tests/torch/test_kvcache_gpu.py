@@ -97,3 +97,23 @@ def test_hf_static_cache_decode_on_the_split_route(nq):
         q.double(), k.double().repeat_interleave(8, 1), v.double().repeat_interleave(8, 1),
         attn_mask=mask.plan.sdpa_mask(), scale=d ** -0.5)
     assert rel_err(out, want.transpose(1, 2)) < 1e-2
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("d, hq, hkv", [(512, 32, 4), (128, 32, 8)])
+def test_rows_past_cache_seqlens_may_hold_nan(num_splits, d, hq, hkv):
+    """A cache allocated with torch.empty can hold NaN past each sequence's length. FlashAttention's kvcache
+    kernels never let those rows in (their loads are predicated on seqlen_k); xattn's must not either: a key tile
+    loaded past the length is masked, but its V rows enter P V as 0 x value, and 0 x NaN is NaN."""
+    g = torch.Generator(device="cuda").manual_seed(d + num_splits)
+    b, nc, seqlens = 2, 9000, [3001, 77]
+    q = _rand(g, b, 1, hq, d)
+    k_cache, v_cache = _rand(g, b, nc, hkv, d), _rand(g, b, nc, hkv, d)
+    for i, n in enumerate(seqlens):
+        k_cache[i, n:] = float("nan")
+        v_cache[i, n:] = float("nan")
+    out = xt.attention_with_kvcache(q, k_cache, v_cache, num_splits=num_splits, causal=True,
+                                    cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    assert not out.isnan().any(), "rows past cache_seqlens reached the output"
+    ref_out, _ = _reference(q, k_cache, v_cache, seqlens, True, (None, None))
+    assert rel_err(out, ref_out) < 1e-2
