@@ -122,6 +122,8 @@ def specs(recorded=None, fuzz=False):
     out.append(KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, False, False, 1023, 0, page_size=256))
     for family, d, g, ps in (("ffpa", 512, 4, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 256, 2, 64)):
         out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, True, True, page_size=ps))  # prefill over pages
+    for family, d, g, ps in (("ffpa", 512, 8, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 128, 4, 128)):
+        out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, page_size=ps, kv_heads_first=True))  # JAX
     out.append(CombineSpec("ffpa", "bfloat16", 384))
     seen, unique = set(), []
     for s in out:

@@ -61,7 +61,9 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=128),
     KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, True, page_size=16),
     KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 4, True, True, page_size=64),  # prefill over the pages
-    KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, True, True, page_size=16))]
+    KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, True, True, page_size=16),
+    KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 8, page_size=64, kv_heads_first=True),  # JAX's pool layout
+    KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=128, kv_heads_first=True))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

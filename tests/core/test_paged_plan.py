@@ -86,3 +86,11 @@ def test_paged_specs_say_which_page_sizes_each_family_reads(family, d, page_size
     assert "page" in supports(KernelSpec(family, "bwd", "bfloat16", d, d, 2, page_size=64))
     assert "dense queries" in supports(KernelSpec(family, "fwd", "bfloat16", d, d, 2, False, True, page_size=64))
     assert spec.output_fill() == ({"out": 0.0, "lse": float("-inf")} if family == "ffpa" else {})
+
+
+def test_heads_first_pools_are_a_paged_layout_only():
+    from xattn.core.spec import KernelSpec, supports
+
+    assert supports(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, kv_heads_first=True)).startswith("kv_heads_first")
+    spec = KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 8, page_size=64, kv_heads_first=True)
+    assert supports(spec) is None and spec.short_name().endswith("paged64h_sm_90a")

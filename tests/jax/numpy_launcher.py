@@ -89,10 +89,45 @@ def _varlen(spec, named, scale):
             _bwd(spec, sl["dout"], sl["q"], sl["k"], sl["v"], sl["out"], lse, sl["dq"], sl["dk"], sl["dv"], scale)
 
 
+def _paged_keys(spec, pool, pages, n):
+    """A row's first ``n`` keys ``[1, n, Hkv, D]`` through its page-table entries (any pool layout the launchers
+    take: FFPA flat ``[R, H, D]`` / ``[H, R, D]``, FA4 ``[NP, PS, H, D]`` / ``[H, NP, PS, D]``)."""
+    ps = spec.page_size
+    if spec.kv_heads_first:
+        pool = np.moveaxis(pool, 0, -2)  # [R, H, D] or [NP, PS, H, D]
+    if pool.ndim == 3:
+        pool = pool.reshape(-1, ps, *pool.shape[-2:])
+    return pool[np.asarray(pages, dtype=np.int64)].reshape(-1, *pool.shape[-2:])[:n][None]
+
+
+def _paged(spec, named, scale):
+    """Each row's queries on its kv_meta keys (dense: batch rows; varlen: cu_seqlens_q segments)."""
+    meta = named["kv_meta"]
+    ps = spec.page_size
+    for b in range(meta.shape[0]):
+        n = int(meta[b, 0])
+        if spec.varlen:
+            a, z = int(named["cu_seqlens_q"][b]), int(named["cu_seqlens_q"][b + 1])
+            q, out, lse = named["q"][None, a:z], named["out"][None, a:z], named["lse"][:, a:z][None]
+        else:
+            q, out, lse = named["q"][b:b + 1], named["out"][b:b + 1], named["lse"][b:b + 1]
+        if n == 0 or q.shape[1] == 0:
+            out[...] = 0
+            lse[...] = -np.inf
+            continue
+        pages = meta[b, 1:1 + -(-n // ps)]
+        k, v = (_paged_keys(spec, named[x], pages, n) for x in ("k_pages", "v_pages"))
+        lse_out = np.empty(lse.shape, np.float32)
+        _fwd(spec, q, k, v, out, lse_out, scale)
+        lse[...] = lse_out
+
+
 def make(spec: KernelSpec):
     """A tvm_ffi function with the launcher's signature for ``spec``."""
     fills = spec.output_fill()
-    if spec.direction == "fwd":
+    if spec.page_size is not None:
+        names = ["q", "k_pages", "v_pages"] + (["cu_seqlens_q"] if spec.varlen else []) + ["kv_meta", "out", "lse"]
+    elif spec.direction == "fwd":
         names = ["q", "k", "v"] + (["cu_seqlens_q", "cu_seqlens_k"] if spec.varlen else []) + ["out", "lse"]
     else:
         names = (["dout", "q", "k", "v", "out", "lse"] + (["cu_seqlens_q", "cu_seqlens_k"] if spec.varlen else [])
@@ -105,8 +140,10 @@ def make(spec: KernelSpec):
         named = dict(zip(names, [np.from_dlpack(t) for t in tensors]))
         for name, value in fills.items():  # the documented pre-fill must have happened (aliasing)
             assert np.all(named[name] == value), f"{name} was not pre-filled with {value}"
-        CALLS.append(f"{spec.direction}:{named['q'].shape}")
-        if spec.varlen:
+        CALLS.append(f"{spec.direction}:{named['q'].shape}" + (":paged" if spec.page_size else ""))
+        if spec.page_size is not None:
+            _paged(spec, named, float(scale))
+        elif spec.varlen:
             _varlen(spec, named, float(scale))
         elif spec.direction == "fwd":
             _fwd(spec, *(named[n] for n in names), float(scale))

@@ -8,6 +8,9 @@ Launcher signatures (glossary of :mod:`xattn.core.paged`; NP pages of PS rows, P
   varlen     : q[Tq,Hq,D] k v cu_q[B+1] i32 kv_meta[B,1+P] i32, out[Tq,Hq,Dv] lse[Hq,Tq], scale  (prefill over
                the pages: sequence b's queries are rows cu_q[b]..cu_q[b+1], bottom-right aligned on its keys)
 
+With ``kv_heads_first`` (JAX Pallas' layout) the pools are ``[Hkv, NP*PS, D]`` (FFPA) / ``[Hkv, NP, PS, D]``
+(FA4) and the launcher reads them through a permuted layout (no copy).
+
 ``kv_meta`` row b: column 0 the keys of row b (``seqused_k``), then its page table. FFPA reads the pool as one
 flat ``[NP*PS, Hkv, D]`` view (pages contiguous in the pool); FA4 as its own paged layout. FFPA's output needs
 the pre-fill (0, -inf) of :meth:`KernelSpec.output_fill` (it skips a row without keys); FA4 writes every row.
@@ -135,26 +138,37 @@ def _paged_names(tiles_per_page: int):
             ffpa_fwd_module.SeqlenInfoQK, ffpa_fwd_module.copy_utils = old
 
 
+def _pool_view(mPool, heads_first: bool):
+    """The pool as the kernel reads it: heads-first storage seen through a permuted layout (traced inline)."""
+    if not heads_first:
+        return mPool
+    order = [1, 0, 2] if cute.rank(mPool) == 3 else [1, 2, 0, 3]  # FFPA [H, R, D] -> [R, H, D]; FA4 -> [NP, PS, H, D]
+    return cute.make_tensor(mPool.iterator, cute.select(mPool.layout, mode=order))
+
+
 class _FfpaPaged:
-    def __init__(self, kernel):
-        self.kernel = kernel
+    def __init__(self, kernel, spec: KernelSpec):
+        self.kernel, self.heads_first = kernel, spec.kv_heads_first
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKVMeta: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, stream):
-        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, None, mKVMeta, None, None, None, stream)
+        self.kernel(mQ, _pool_view(mK, self.heads_first), _pool_view(mV, self.heads_first), mO, mLSE, softmax_scale,
+                    None, mKVMeta, None, None, None, stream)
 
 
 class _FfpaPagedVarlen(_FfpaPaged):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCuSeqlensQ: cute.Tensor,
                  mKVMeta: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale: Float32, stream):
-        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mKVMeta, None, None, None, stream)
+        self.kernel(mQ, _pool_view(mK, self.heads_first), _pool_view(mV, self.heads_first), mO, mLSE, softmax_scale,
+                    mCuSeqlensQ, mKVMeta, None, None, None, stream)
 
 
 class _Fa4Paged:
     def __init__(self, kernel, spec: KernelSpec):
         self.kernel, self.wl, self.wr = kernel, spec.window_left, spec.window_right
+        self.heads_first = spec.kv_heads_first
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKVMeta: cute.Tensor, mO: cute.Tensor,
@@ -168,8 +182,8 @@ class _Fa4Paged:
                                  cute.make_layout((rows, cols - 1), stride=(mKVMeta.stride[0], 1)))
         wl = None if self.wl is None else Int32(self.wl)
         wr = None if self.wr is None else Int32(self.wr)
-        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, None, None, seqused, table, wl, wr, None,
-                    None, AuxData(), None, None, stream)
+        self.kernel(mQ, _pool_view(mK, self.heads_first), _pool_view(mV, self.heads_first), mO, mLSE, softmax_scale,
+                    mCuSeqlensQ, None, None, seqused, table, wl, wr, None, None, AuxData(), None, None, stream)
 
 
 class _Fa4PagedVarlen(_Fa4Paged):
@@ -186,10 +200,11 @@ def _fakes(spec: KernelSpec):
     b, nq, hq, hkv, cols = sym(), sym(), sym(), sym(), sym()
     if spec.family == "ffpa":
         rows = sym()
-        pool = lambda d: make_fake_tensor(dtype, (rows, hkv, d), divisibility=div)  # noqa: E731
+        shape = (hkv, rows) if spec.kv_heads_first else (rows, hkv)
     else:
         pages, page_rows = sym(), sym()
-        pool = lambda d: make_fake_tensor(dtype, (pages, page_rows, hkv, d), divisibility=div)  # noqa: E731
+        shape = (hkv, pages, page_rows) if spec.kv_heads_first else (pages, page_rows, hkv)
+    pool = lambda d: make_fake_tensor(dtype, (*shape, d), divisibility=div)  # noqa: E731
     d, dv = spec.head_dim, spec.head_dim_v
     meta = make_fake_tensor(Int32, (b, cols), divisibility=1)
     if spec.varlen:  # q/out [Tq, H, D], lse [Hq, Tq], cu_seqlens_q [B + 1]
@@ -213,7 +228,7 @@ def compile_paged(spec: KernelSpec, trace: list | None = None):
             raise NotImplementedError(f"{spec.short_name()}: FFPA's key tile is {kernel.tile_n} rows, "
                                       f"page_size {spec.page_size} must hold whole tiles")
         with _paged_names(spec.page_size // kernel.tile_n) as tracing:
-            fn = compile_launcher((_FfpaPagedVarlen if spec.varlen else _FfpaPaged)(kernel), _fakes(spec))
+            fn = compile_launcher((_FfpaPagedVarlen if spec.varlen else _FfpaPaged)(kernel, spec), _fakes(spec))
         if trace is not None:
             trace.append(tracing.mapped)
         return fn

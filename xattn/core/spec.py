@@ -71,6 +71,8 @@ class KernelSpec:
       varlen: packed ``[T, H, D]`` layout with ``cu_seqlens``.
       window_left / window_right: sliding window (FA4 forward only), ``None`` = unbounded.
       page_size: a paged KV cache's page size (forward; :mod:`xattn.core.paged_sm90`), ``None``: not paged.
+      kv_heads_first: the pools are ``[Hkv, num_pages, page_size, D]`` (JAX Pallas' layout), not
+        ``[num_pages, page_size, Hkv, D]`` (paged only).
       arch: CuTeDSL target, ``"sm_90a"``.
       versions: library versions, so a disk cache never mixes builds.
     """
@@ -86,6 +88,7 @@ class KernelSpec:
     window_left: int | None = None
     window_right: int | None = None
     page_size: int | None = None
+    kv_heads_first: bool = False
     arch: str = "sm_90a"
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
@@ -123,7 +126,7 @@ class KernelSpec:
                  f"g{self.qhead_per_kvhead}", "causal" if self.causal else "full",
                  "varlen" if self.varlen else "dense"]
         if self.page_size is not None:
-            parts.append(f"paged{self.page_size}")
+            parts.append(f"paged{self.page_size}" + ("h" if self.kv_heads_first else ""))
         if self.is_local:
             parts.append(f"w{self.window_left}_{self.window_right}")
         parts.append(self.arch)
@@ -153,6 +156,8 @@ def supports(spec: KernelSpec) -> str | None:
         why = _paged_reason(spec)
         if why:
             return why
+    elif spec.kv_heads_first:
+        return "kv_heads_first describes a paged pool's layout: it needs page_size"
     if spec.family == "ffpa":
         return _ffpa_reason(spec)
     return _fa4_reason(spec)

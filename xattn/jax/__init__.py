@@ -14,6 +14,7 @@ from .attention import fa4_bwd, fa4_fwd, ffpa_attention, ffpa_bwd, ffpa_fwd, fla
 from .fa4 import causal_fa4_attention, document_causal_fa4_attention  # noqa: E402
 from .kvcache import attention_with_kvcache  # noqa: E402
 from .nn import dot_product_attention  # noqa: E402
+from .paged import paged_attention  # noqa: E402
 from .reference import attention_reference  # noqa: E402
 from .ring import ring_attention, sequence_positions, shard_sequence, unshard_sequence  # noqa: E402
 from .varlen import (  # noqa: E402
@@ -24,7 +25,8 @@ from .varlen import (  # noqa: E402
     varlen_fwd,
 )
 
-__all__ = ["ffpa_attention", "flash_attention", "dot_product_attention", "attention_with_kvcache", "varlen_attention",
+__all__ = ["ffpa_attention", "flash_attention", "dot_product_attention", "attention_with_kvcache", "paged_attention",
+           "varlen_attention",
            "packed_attention", "segment_ids_to_cu_seqlens", "ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd",
            "varlen_fwd", "varlen_bwd", "attention_reference", "causal_fa4_attention",
            "document_causal_fa4_attention", "ring_attention", "shard_sequence",
