@@ -84,7 +84,7 @@ def test_paged_specs_say_which_page_sizes_each_family_reads(family, d, page_size
     assert (got is None) if why is None else (why in got), got
     assert f"paged{page_size}" in spec.short_name()
     assert "page" in supports(KernelSpec(family, "bwd", "bfloat16", d, d, 2, page_size=64))
-    assert "dense queries" in supports(KernelSpec(family, "fwd", "bfloat16", d, d, 2, False, True, page_size=64))
+    assert supports(KernelSpec(family, "fwd", "bfloat16", d, d, 2, True, True, page_size=64)) is None  # prefill
     assert spec.output_fill() == ({"out": 0.0, "lse": float("-inf")} if family == "ffpa" else {})
 
 
