@@ -35,9 +35,9 @@ def specs(recorded=None, fuzz=False):
 
     out = []
     if fuzz:
-        from tests.fuzz.space import launcher_pool, split_launchers
+        from tests.fuzz.space import launcher_pool, paged_launchers, split_launchers
 
-        out += launcher_pool() + split_launchers()  # the torch fuzz forces the split-KV forward too
+        out += launcher_pool() + split_launchers() + paged_launchers()  # the torch fuzz's split and paged routes
     for row in json.load(open(recorded)) if recorded else []:
         out.append(KernelSpec(**row))
         if row["family"] == "fa4":  # the GPU twins run both dtypes and both passes; FA4 compiles in seconds

@@ -20,7 +20,8 @@ dim stored with P extra elements, NaN); ``wide:E:O`` (heads O..O+H of storage wi
 around). JAX arrays are compact: for ``jax``, ``swapped`` means the function is given
 ``[B, H, N, D]`` arrays and transposes them itself.
 
-Routes: for ``torch`` and ``jax`` every backward route that can serve the configuration
+Routes: for ``torch`` dense draws also ``paged`` (the same keys in shuffled pages, ``xt.paged_attention``, out and
+lse only); for ``torch`` and ``jax`` every backward route that can serve the configuration
 (:func:`xattn.core.routes.serving_routes` of the problem as that front end describes it: host lengths for
 torch, traced ones for JAX) runs forced, one after the other, each judged on its own (checks named
 ``dq@gemm-padded``); ``core`` and ``core-jax`` call the fused kernels directly (route ``fused``).
@@ -288,6 +289,34 @@ def run_jax(cfg: Config, inp: Inputs, device) -> dict:
 
 
 RUNNERS = {"core": run_core, "core-jax": run_core_jax, "torch": run_torch, "jax": run_jax}
+PAGE_SIZES = {"ffpa": 64, "fa4": 16}  # the paged route's pages in the fuzz (FFPA: its 64-row tile; FA4: cp.async)
+
+
+def run_torch_paged(cfg: Config, inp: Inputs, device) -> dict:
+    """The paged route (issue #44) on the same keys: k/v copied into pools of shuffled pages with spare ones
+    (finite random values in every row past the keys), ``xt.paged_attention`` (forward only: out, lse)."""
+    import xattn.torch as xt
+
+    e = cfg.entry
+    ps = PAGE_SIZES[e.family]
+    b, nk = inp.k.shape[0], inp.k.shape[1]
+    per = max(1, -(-nk // ps))
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    num_pages = b * per + 3
+    pools = []
+    for t in (inp.k, inp.v):
+        pool = torch.randn(num_pages, ps, *t.shape[2:], generator=gen, device=device, dtype=t.dtype)
+        pools.append(pool)
+    table = torch.randperm(num_pages, generator=gen, device=device)[:b * per].view(b, per).to(torch.int32)
+    for pool, t in zip(pools, (inp.k, inp.v)):
+        rows = torch.zeros(b, per * ps, *t.shape[2:], device=device, dtype=t.dtype)
+        rows[:, :nk] = t
+        pool[table.long()] = rows.view(b, per, ps, *t.shape[2:])
+    causal, window = _mask_args(cfg)
+    lengths = torch.full((b,), nk, dtype=torch.int32, device=device)
+    out, lse = xt.paged_attention(inp.q, pools[0], pools[1], table, lengths, softmax_scale=cfg.scale, causal=causal,
+                                  window_size=window, return_softmax_lse=True, family=e.family)
+    return {"out": out, "lse": lse}
 
 
 # --- references and the verdict -----------------------------------------------------------------------
@@ -357,6 +386,8 @@ def routes_of(cfg: Config) -> list[str]:
     names = list(routes.serving_routes(problem))
     if cfg.front_end in ("torch", "jax") and routes.why_not_forward("split-kv", _forward_problem(cfg)) is None:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
+    if cfg.front_end == "torch" and not cfg.varlen and not cfg.opt("refuse") and cfg.opt("entry") != "flash_attn_func":
+        names.append("paged")  # the same keys through a page table (forward only)
     return names
 
 
@@ -373,8 +404,12 @@ def _forward_problem(cfg: Config):
 
 
 def _forcing(route: str):
+    import contextlib
+
     from xattn.core import routes
 
+    if route == "paged":
+        return contextlib.nullcontext()
     return routes.forced_forward(route) if route in routes.FORWARD_ROUTES and route != "fused" else \
         routes.forced(route)
 
@@ -398,11 +433,11 @@ def evaluate(cfg: Config, device="cuda") -> list[Check]:
     names = routes_of(cfg)
     for route in names:
         with _forcing(route):
-            got = RUNNERS[cfg.front_end](cfg, inp, device)
+            got = (run_torch_paged if route == "paged" else RUNNERS[cfg.front_end])(cfg, inp, device)
         _sync(device)
         if ref64 is None:
             ref64, ref_lp = references(cfg, inp)
-        for n in QUANTITIES:
+        for n in (QUANTITIES if route != "paged" else ("out", "lse")):
             check = compare(n, got[n], ref64[n], ref_lp[n], dt)
             if len(names) > 1:
                 check.name = f"{n}@{route}"

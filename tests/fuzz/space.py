@@ -141,6 +141,22 @@ def split_launchers() -> list:
     return out
 
 
+def paged_launchers() -> list:
+    """The launchers the torch fuzz's ``paged`` route runs on the pool's dense entries (harness.PAGE_SIZES): the
+    entry's own mask (one launch) and the split launches (non-causal splits, causal tail)."""
+    import dataclasses
+
+    sizes = {"ffpa": 64, "fa4": 16}
+    out = []
+    for s in launcher_pool():
+        if s.direction == "fwd" and not s.varlen:
+            ps = sizes[s.family]
+            out += [dataclasses.replace(s, page_size=ps)]
+            if not s.is_local:
+                out += [dataclasses.replace(s, page_size=ps, causal=c) for c in (False, True)]
+    return list(dict.fromkeys(out))
+
+
 @dataclass(frozen=True)
 class Limits:
     """Size bounds of drawn shapes. ``max_scores`` bounds sum(B * Hq * Nq * Nk) (the reference's N^2)."""

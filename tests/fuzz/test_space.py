@@ -11,7 +11,8 @@ import pytest
 from xattn.core.spec import FA4_HEAD_DIMS, supports
 
 from . import space
-from .space import FRONT_ENDS, GPU_LIMITS, POOL, config_seed, configs, draw, launcher_pool, split_launchers
+from .space import (FRONT_ENDS, GPU_LIMITS, POOL, config_seed, configs, draw, launcher_pool, paged_launchers,
+                    split_launchers)
 
 N = 300
 
@@ -123,7 +124,9 @@ def test_prefill_script_lists_the_pool():
     spec.loader.exec_module(prefill)
     with_pool = set(prefill.specs(fuzz=True))
     assert set(launcher_pool()) <= with_pool
-    assert with_pool - set(prefill.specs()) == set(launcher_pool() + split_launchers()) - set(prefill.specs())
+    want = set(launcher_pool() + split_launchers() + paged_launchers())
+    shipped = {s for s in want if not hasattr(s, "page_size") or supports(s) is None}  # paged: page sizes it runs
+    assert with_pool - set(prefill.specs()) == shipped - set(prefill.specs())
 
 
 def test_packed_draws_cover_the_whole_varlen_contract(drawn):
@@ -156,7 +159,8 @@ def test_packed_draws_cover_the_whole_varlen_contract(drawn):
 
 def test_decoding_draws_force_the_split_route(drawn):
     """Issue #43: torch's dense draws force the split-KV forward where it can serve, in both families, with a
-    causal tail (causal, 2-16 queries) and with heads-major (HF cache) storage of k and v."""
+    causal tail (causal, 2-16 queries) and with heads-major (HF cache) storage of k and v. Issue #44: they also run
+    the paged route (both families, windows, causal tails, several sequences)."""
     from .harness import routes_of
 
     split = [c for c in drawn["torch"] if "split-kv" in routes_of(c)]
@@ -169,6 +173,9 @@ def test_decoding_draws_force_the_split_route(drawn):
         "batch > 1": any(c.batch > 1 for c in split),
     }
     assert all(seen.values()), [k for k, v in seen.items() if not v]
+    paged = [c for c in drawn["torch"] if "paged" in routes_of(c)]
+    assert {c.entry.family for c in paged} == {"ffpa", "fa4"} and any(c.batch > 1 for c in paged) and \
+        any(c.entry.window != (None, None) for c in paged) and any(c.entry.causal and c.seqlen_q > 1 for c in paged)
     jax_split = [c for c in drawn["jax"] if "split-kv" in routes_of(c)]
     assert {c.entry.family for c in jax_split} == {"ffpa", "fa4"} and any(c.seqlen_q > 1 and c.entry.causal
                                                                           for c in jax_split)
