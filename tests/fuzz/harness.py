@@ -386,7 +386,7 @@ def routes_of(cfg: Config) -> list[str]:
     names = list(routes.serving_routes(problem))
     if cfg.front_end in ("torch", "jax") and routes.why_not_forward("split-kv", _forward_problem(cfg)) is None:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
-    if cfg.front_end == "torch" and not cfg.varlen and not cfg.opt("refuse") and cfg.opt("entry") != "flash_attn_func":
+    if cfg.front_end == "torch" and not cfg.varlen and cfg.opt("entry") != "flash_attn_func":
         names.append("paged")  # the same keys through a page table (forward only)
     return names
 

@@ -105,8 +105,9 @@ def test_every_front_end_runs_end_to_end_with_stand_in_kernels(front_end, standi
         checks = harness.run_one(cfg, collector, "cpu")
         names = [c.name for c in checks if c.name != "refusal"]
         routes = harness.routes_of(cfg)
+        judged = lambda r: ("out", "lse") if r == "paged" else harness.QUANTITIES  # noqa: E731  (paged: forward)
         assert names == (list(harness.QUANTITIES) if len(routes) == 1 else
-                         [f"{n}@{r}" for r in routes for n in harness.QUANTITIES])
+                         [f"{n}@{r}" for r in routes for n in judged(r)])
         assert all(c.ok and c.ratio < 0.7 for c in checks), (cfg.describe(), checks)
     calls = numpy_launcher.CALLS if front_end == "jax" else stubs.CALLS
     assert len(calls) >= 6  # a forward and a backward per configuration reached the stand-in
