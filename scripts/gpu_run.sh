@@ -32,6 +32,8 @@
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
 #                DECODE_PROMPT, DECODE_ROUNDS) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
+#   cb           benchmarks/continuous_batching.py (HF generate_batch tokens/s, ffpa vs sdpa; CB_REQUESTS, CB_PROMPT)
+#                -> $OUT/results/continuous_batching_h200.json
 #   decode-attn  benchmarks/decode_attention.py (one decoding attention call: ms, HBM share; DECODE_ATTN_ARGS)
 #                -> $OUT/results/decode_attention_h200.json
 #   decode-profile  benchmarks/tools/decode_profile.py (host time of a decode step by module, syncs by call site;
@@ -76,6 +78,8 @@ for step in "$@"; do
     cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;
     redo-*) timeout "$t" python benchmarks/full.py --part "${step#redo-}" --append --redo --out "$OUT/results/full_h200.json" \
               2>&1 | tee -a "$OUT/steps.log" | tail -12 ;;
+    cb) timeout "$t" python benchmarks/continuous_batching.py --requests "${CB_REQUESTS:-8,32,64}" --prompt "${CB_PROMPT:-8192}" \
+              --out "$OUT/results/continuous_batching_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     split-kernels) timeout "$t" python benchmarks/tools/split_kv_probe.py kernels 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -60 ;;
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;

@@ -316,3 +316,30 @@ def test_host_cost_cpu_tool_runs():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "host_cost_cpu.py")], capture_output=True,
                          text=True, check=True, timeout=300).stdout
     assert out.count(" us  ") == 5 and "ffpa_attention_forward, d512 decode" in out
+
+
+@pytest.mark.slow  # ~50 s of CPU: transformers' continuous batching loop, twice
+def test_continuous_batching_rows_and_a_cpu_run(monkeypatch):
+    """benchmarks/continuous_batching.py on the CPU with a tiny Gemma 4 whose global layers have their own head dim
+    and KV heads (as the 31B's): transformers' allocator sized per group (the benchmark's patch, undone after),
+    both impls, rows with throughput and the tokens compared."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT))
+    cb = _load("continuous_batching")
+    monkeypatch.setattr(cb, "DEVICE", "cpu")
+    from transformers import Gemma4TextConfig
+    from transformers.generation.continuous_batching.cache_allocators import full_attention
+
+    before = full_attention.FullAttentionCacheAllocator.__init__
+    tiny = lambda: Gemma4TextConfig(  # noqa: E731
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=256,
+        vocab_size_per_layer_input=64, hidden_size_per_layer_input=16)
+    rows = []
+    for impl in ("ffpa", "sdpa"):  # one config object per model (from_config writes into it)
+        rows += cb.main(["--impls", impl, "--requests", "2,3", "--prompt", "12", "--tokens", "3"], config=tiny())
+    assert full_attention.FullAttentionCacheAllocator.__init__ is before
+    assert [(r["impl"], r["requests"], r["status"]) for r in rows] == [
+        ("ffpa", 2, "ok"), ("ffpa", 3, "ok"), ("sdpa", 2, "ok"), ("sdpa", 3, "ok")], rows
+    assert all(r["tokens_per_s"] > 0 and len(r["tokens"]) == r["requests"] for r in rows)
