@@ -108,6 +108,11 @@ def test_block_table_is_page_table_and_the_errors_are_named():
     with pytest.raises(ValueError, match="cache_seqlens\\[0\\] = 49"):
         xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=torch.tensor([49, 0], dtype=torch.int32),
                                   page_table=table, check_inputs=True)
+    with pytest.raises(ValueError, match=r"v_cache: expected torch.float64"):
+        xt.attention_with_kvcache(q, k_pool, v_pool.float(), cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(ValueError, match=r"k_cache: expected torch.float64"):
+        xt.paged_attention(q[:, 0], k_pool.float(), v_pool, table, seqlens, cu_seqlens_q=torch.tensor(
+            [0, 1, 2], dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="multiple of 64"):
         xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, family="ffpa")
     strided = torch.randn(6, 2, 64, 16, dtype=torch.float64).transpose(1, 2)[:, :64]  # pages not one after another

@@ -115,7 +115,7 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, cu_seqlens_q=
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (b + 1,) or cu_seqlens_q.device != q.device:
         raise ValueError(f"cu_seqlens_q: expected int32 [B + 1 = {b + 1}] on {q.device}, got {cu_seqlens_q.dtype} "
                          f"{tuple(cu_seqlens_q.shape)} on {cu_seqlens_q.device}")
-    _check_table(q, k_pages, page_table, b)
+    _check_table(q, k_pages, page_table, b, v_pages)
     lengths = _lengths(seqused_k, b, q.device)
     if ops.checking(check_inputs):
         cu = cu_seqlens_q.tolist()
@@ -134,7 +134,11 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, cu_seqlens_q=
     return (out, lse) if return_softmax_lse else out
 
 
-def _check_table(q, k_pages, page_table, b: int) -> None:
+def _check_table(q, k_pages, page_table, b: int, v_pages=None) -> None:
+    """The paged call's metadata checks, before anything is written or launched."""
+    for name, pool in (("k_cache", k_pages), ("v_cache", v_pages)):
+        if pool is not None and (pool.device != q.device or pool.dtype != q.dtype):
+            raise ValueError(f"{name}: expected {q.dtype} on {q.device} (as q), got {pool.dtype} on {pool.device}")
     if page_table.dim() != 2 or page_table.shape[0] != b or page_table.dtype != torch.int32:
         raise ValueError(f"page_table: expected int32 [B={b}, max_pages], got {page_table.dtype} "
                          f"{tuple(page_table.shape)}")
@@ -151,7 +155,7 @@ def _paged(q, k_pages, v_pages, k, v, cache_seqlens, softmax_scale, causal, wind
         raise ValueError(f"q/k_cache/v_cache: expected [B, Nq, Hq, D] / pools [num_pages, page_size, Hkv, D], got "
                          f"{tuple(q.shape)} / {tuple(k_pages.shape)} / {tuple(v_pages.shape)}")
     b = q.shape[0]
-    _check_table(q, k_pages, page_table, b)
+    _check_table(q, k_pages, page_table, b, v_pages)
     ps, capacity = k_pages.shape[1], page_table.shape[1] * k_pages.shape[1]
     lengths = _lengths(capacity if cache_seqlens is None else cache_seqlens, b, q.device)
     if (k is None) != (v is None):
