@@ -16,6 +16,7 @@ cu_seqlens values are trusted by the custom ops (the core is called with ``check
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from typing import Optional
@@ -38,6 +39,9 @@ __all__ = ["fwd", "bwd", "fwd_lengths", "attention_op"]
 
 _log = logging.getLogger("xattn")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.lru_cache(maxsize=256)  # a decode loop asks every step: the sizes alone decide
 def paged_spec(family: str, dtype: str, d: int, dv: int, g: int, causal: bool, left, right, page_size: int,
                varlen: bool = False) -> KernelSpec:
     """The compile key of one paged forward launch (:mod:`xattn.core.paged_sm90`); NotImplementedError with the

@@ -12,6 +12,8 @@ Pools ``k_pages/v_pages [NP, PS, Hkv, D/Dv]``, ``page_table [B, P]`` int32, ``le
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -58,11 +60,11 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     if plan.tail:
         width = -(-(ps + nq - 1) // ps)  # the tail's keys span at most this many pages
         at = (tail_page[:, None] + torch.arange(width, device=q.device)).clamp(max=max_pages - 1)
-        tail_meta = torch.cat([(n - before).to(torch.int32)[:, None], page_table.to(torch.int32).gather(1, at)], 1)
+        tail_meta = torch.cat([(n - before).to(torch.int32)[:, None], table.gather(1, at)], 1)
         _launch(family, q, kp, vp, tail_meta, ps, True, None, None, scale, out_p[s], lse_p[s])
     out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    ops.LAUNCH["combine"](CombineSpec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
+    ops.LAUNCH["combine"](_combine_spec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
                           lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
     return out, lse
 
@@ -83,6 +85,9 @@ def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens
     lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     ops.LAUNCH["paged"](spec, q, kp, vp, meta, out, lse, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q)
     return out, lse
+
+
+_combine_spec = functools.lru_cache(maxsize=64)(CombineSpec)  # built once per (family, dtype, Dv), not per step
 
 
 def _pools(family: str, k_pages: Tensor, v_pages: Tensor) -> tuple[Tensor, Tensor]:
