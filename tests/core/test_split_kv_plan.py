@@ -20,7 +20,8 @@ def decode(family="ffpa", b=1, hkv=4, g=8, nq=1, nk=32768, **kw):
     pytest.param(decode(nk=300), "fused", None, id="300 keys: too short to split"),
     pytest.param(decode(nq=17), "fused", None, id="17 queries: prefill"),
     pytest.param(decode("fa4", local=True), "fused", None, id="sliding window"),
-    pytest.param(decode(varlen=True), "fused", None, id="varlen"),
+    pytest.param(decode(varlen=True), "split-kv", 33, id="packed decoding: 33 splits, each document its chunk"),
+    pytest.param(decode(varlen=True, nq=17), "fused", None, id="packed prefill"),
     pytest.param(decode(flat_kv=False), "fused", None, id="no common row stride"),
     pytest.param(decode(num_splits=1), "fused", None, id="num_splits=1"),
     pytest.param(decode(b=64, num_splits=3), "split-kv", 3, id="num_splits=3 overrides the rule"),
@@ -36,8 +37,9 @@ def test_forward_route_rule(problem, name, splits):
 def test_forced_forward_route(monkeypatch):
     assert routes.forward_route(decode(), "fused").name == "fused"
     assert routes.forward_route(decode(nk=300), "split-kv").plan.splits == 2  # forced: at least 2
-    with pytest.raises(ValueError, match="dense queries"):
-        routes.forward_route(decode(varlen=True), "split-kv")
+    with pytest.raises(ValueError, match="at most 16"):
+        routes.forward_route(decode(varlen=True, nq=17), "split-kv")
+    assert routes.forward_route(decode(varlen=True), "split-kv").plan.chunk == 0  # each document's own chunk
     with pytest.raises(ValueError, match="XATTN_FWD_ROUTE"):
         routes.forward_route(decode(), "fastest")
     monkeypatch.setenv("XATTN_FWD_ROUTE", "fused")

@@ -213,7 +213,7 @@ def run_torch(cfg: Config, inp: Inputs, device) -> dict:
     e = cfg.entry
     q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))  # same strides as drawn
     causal, window = _mask_args(cfg)
-    loose = cfg.opt("max_seqlen") == "loose"
+    loose = _loose(cfg)
     if cfg.opt("entry") == "flash_attn_func":
         from xattn.torch.fa4_interface import flash_attn_func, flash_attn_varlen_func
 
@@ -227,14 +227,28 @@ def run_torch(cfg: Config, inp: Inputs, device) -> dict:
     else:
         kw = {}
         if cfg.varlen:  # loose: an upper bound larger than the longest document (allowed)
-            kw = dict(cu_seqlens_q=inp.cu_q, cu_seqlens_k=inp.cu_k, max_seqlen_q=cfg.seqlen_q + 13 * loose,
-                      max_seqlen_k=cfg.seqlen_k + 7 * loose)
+            kw = dict(cu_seqlens_q=inp.cu_q, cu_seqlens_k=inp.cu_k, max_seqlen_q=_torch_max_seqlen(cfg)[0],
+                      max_seqlen_k=_torch_max_seqlen(cfg)[1])
         default_scale = cfg.scale == 1.0 / math.sqrt(e.head_dim)
         out, lse = xt.attention_with_lse(q, k, v, softmax_scale=None if default_scale else cfg.scale,
                                          causal=causal, window_size=window,
                                          family=e.family if cfg.opt("family") == "explicit" else None, **kw)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), inp.dout)
     return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def _loose(cfg: Config) -> bool:
+    return cfg.opt("max_seqlen") == "loose"
+
+
+def _torch_max_seqlen(cfg: Config) -> tuple[int, int]:
+    """The max_seqlen_q/k a torch varlen call passes (the kernels see): the drawn ones, with the option "loose" a
+    bound larger still (``attention_with_lse``) or none, the helper finding the longest documents (FA4's spelling)."""
+    if not _loose(cfg):
+        return cfg.seqlen_q, cfg.seqlen_k
+    if cfg.opt("entry") == "flash_attn_func":
+        return max(cfg.lens_q), max(cfg.lens_k)
+    return cfg.seqlen_q + 13, cfg.seqlen_k + 7
 
 
 def run_jax(cfg: Config, inp: Inputs, device) -> dict:
@@ -399,7 +413,8 @@ def _forward_problem(cfg: Config):
 
     e = cfg.entry
     flat = cfg.front_end == "jax" or cfg.batch <= 1 or (cfg.layout("k") == "swapped") == (cfg.layout("v") == "swapped")
-    return routes.FwdProblem(e.family, cfg.batch, cfg.heads_kv, e.g, cfg.seqlen_q, cfg.seqlen_k, causal=e.causal,
+    nq, nk = _torch_max_seqlen(cfg) if cfg.varlen and cfg.front_end == "torch" else (cfg.seqlen_q, cfg.seqlen_k)
+    return routes.FwdProblem(e.family, cfg.batch, cfg.heads_kv, e.g, nq, nk, causal=e.causal,
                              local=e.window != (None, None), varlen=cfg.varlen, flat_kv=flat)
 
 

@@ -127,18 +127,18 @@ def launcher_pool() -> list[KernelSpec]:
 
 
 def split_launchers() -> list:
-    """The launchers the split-KV forward of the pool's dense entries runs when the torch fuzz forces it: the
-    family's varlen forward (non-causal splits, causal tail) and the combine (:mod:`xattn.core.split_kv`)."""
+    """The launchers the split-KV forward of the pool's entries (dense and packed) runs when the fuzz forces it:
+    the family's varlen forward (non-causal splits, causal tail) and the combine (:mod:`xattn.core.split_kv`)."""
     import dataclasses
 
     from xattn.core.split_kv import CombineSpec
 
     out = []
     for s in launcher_pool():
-        if s.direction == "fwd" and not s.varlen and not s.is_local:
+        if s.direction == "fwd" and not s.is_local:
             out += [dataclasses.replace(s, varlen=True, causal=c) for c in (False, True)]
             out.append(CombineSpec(s.family, s.dtype, s.head_dim_v))
-    return out
+    return list(dict.fromkeys(out))
 
 
 def paged_launchers() -> list:
@@ -299,6 +299,19 @@ def _doc_lengths(rng: random.Random, front_end: str, lim: Limits) -> tuple[list[
     return lens_q, lens_k
 
 
+def _decoding(seed: int, lens_q: list, max_q: int) -> tuple[list, int]:
+    """One packed draw in four is a decoding batch (issue #43: vLLM's and HF continuous batching's decode
+    steps, the split route's packed case): at most 1-16 queries per document, keeping the draw's empty
+    documents and its looser max_seqlen_q. A side generator: every other draw of the seed stays as it was."""
+    side = random.Random(f"{seed}:decoding")
+    if side.random() >= 0.25:
+        return lens_q, max_q
+    cap = side.choice([1, 1, 2, 4, 16])
+    short = [min(n, cap) for n in lens_q]
+    loose = max_q - max(lens_q)
+    return short, min(max(short) + loose, 16)
+
+
 def _varlen_contract(rng: random.Random, front_end: str, lens_q, lens_k) -> tuple[int, int, int, int, list]:
     """What else the varlen contract allows beyond the documents: ``(extra_q, extra_k, max_seqlen_q,
     max_seqlen_k, options)`` with rows after ``cu[-1]`` on either side (so ``Tq != Tk`` even for one
@@ -417,6 +430,9 @@ def draw(front_end: str, seed: int, limits: Limits = GPU_LIMITS, pool=POOL) -> C
                 lens_k[rng.randrange(len(lens_k))] = 1  # some key to attend to
             extra_q, extra_k, nq, nk, contract_options = _varlen_contract(rng, front_end, lens_q, lens_k)
             batch = len(lens_q)
+            short, nq = _decoding(seed, lens_q, nq)
+            if short != lens_q:  # no longer self-attention documents: two cu_seqlens objects
+                lens_q, contract_options = short, [o for o in contract_options if o[0] != "same_cu"]
         else:
             lens_q = lens_k = []
             if front_end == "jax":

@@ -105,3 +105,39 @@ def test_dot_product_attention_with_key_value_seq_lengths_splits(jit):
     assert float(jnp.max(jnp.abs(f32(out) - want))) < 2e-2 and float(jnp.max(jnp.abs(f32(out[0])))) == 0.0
     for g, w in zip(grads, want_grads):
         assert float(jnp.max(jnp.abs(f32(g) - w))) < 2e-2 * max(1.0, float(jnp.max(jnp.abs(w))))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("lens_q, lens_k, hq, hkv, d, causal, trailing", [
+    pytest.param([1, 1, 1], [700, 33, 600], 8, 1, 512, True, (0, 0), id="d512-decode-3-docs"),
+    pytest.param([4, 0, 1, 3], [900, 500, 0, 2], 4, 2, 512, True, (2, 5), id="d512-empty-docs-trailing-rows"),
+    pytest.param([2, 5, 1], [3, 600, 1], 4, 4, 128, True, (1, 0), id="d128-tail-longer-than-keys"),
+    pytest.param([16, 7], [1000, 257], 2, 1, 128, False, (0, 3), id="d128-16-queries"),
+])
+def test_packed_split_matches_the_reference(jit, lens_q, lens_k, hq, hkv, d, causal, trailing):
+    """varlen_attention's decode calls (at most 16 queries per document) on the split route, forced, drawn from the
+    varlen contract: empty and 1-token documents, fewer keys than queries, rows past cu[-1]; out and lse."""
+    from xattn.jax import varlen_fwd
+
+    rng = np.random.default_rng(sum(lens_k))
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)  # noqa: E731
+    q, k, v = mk(sum(lens_q) + trailing[0], hq, d), mk(sum(lens_k) + trailing[1], hkv, d), mk(sum(lens_k) +
+                                                                                              trailing[1], hkv, d)
+    cu = lambda lens: jnp.asarray(np.cumsum([0] + lens), jnp.int32)  # noqa: E731
+    family = "ffpa" if d > 256 else "fa4"
+    kw = dict(max_seqlen_q=min(max(lens_q) + 1, 16), max_seqlen_k=max(lens_k), causal=causal, family=family,
+              scale=d ** -0.5)
+
+    def fn(q, k, v, backend):
+        return varlen_fwd(q, k, v, cu(lens_q), cu(lens_k), backend=backend, **kw)
+
+    with routes.forced_forward("split-kv"):
+        run = jax.jit(fn, static_argnums=3) if jit else fn
+        out, lse = jax.block_until_ready(run(q, k, v, "kernel"))
+    assert any(c.startswith("fwd:") and c != f"fwd:{q.shape}" for c in numpy_launcher.CALLS), numpy_launcher.CALLS
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want_out, want_lse = fn(f32(q), f32(k), f32(v), "reference")
+    assert float(jnp.max(jnp.abs(f32(out) - want_out))) < 2e-2
+    finite = np.isfinite(np.asarray(want_lse))
+    assert (np.isfinite(np.asarray(lse)) == finite).all()
+    assert float(np.max(np.abs(np.asarray(lse)[finite] - np.asarray(want_lse)[finite]), initial=0)) < 2e-2

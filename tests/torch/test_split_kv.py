@@ -7,7 +7,7 @@ import torch
 
 import xattn.torch as xt
 from xattn.core import routes
-from tests.reference import attention as ref_attention
+from tests.reference import attention as ref_attention, varlen_attention as ref_varlen
 
 from . import stubs
 
@@ -101,12 +101,76 @@ def test_device_cu_seqlens_equal_the_core_plan(seed):
     b, nq, nk = r.randint(1, 4), r.randint(1, 16), r.randint(1, 5000)
     rows = nk * r.choice([1, 4])
     causal, splits = r.random() < 0.5, r.randint(2, 60)
-    static = r.random() < 0.5
+    static, packed = r.random() < 0.5, r.random() < 0.3
     lengths = [nk] * b if static else [r.randint(0, nk) for _ in range(b)]
     plan = split_kv.plan_splits(splits, causal, nq, nk if static else None)
     key_rows = rows * (b - 1) + nk
-    want = split_kv.split_cu_seqlens(plan, nq, rows, lengths, key_rows)
+    starts = None
+    if packed:  # packed keys: each document starts where the previous one's keys end (trailing rows after)
+        starts = [sum(lengths[:i]) for i in range(b)]
+        key_rows = sum(lengths) + r.randint(0, 7)
+    want = split_kv.split_cu_seqlens(plan, nq, rows, lengths, key_rows, starts)
     cu_q, tail_q = device_cu_seqlens_q(plan, b, nq, "cpu")
-    cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, torch.tensor(lengths))
+    cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, torch.tensor(lengths),
+                                       None if starts is None else torch.tensor(starts))
     got = [cu_q.tolist(), cu_k.tolist(), tail_q.tolist() if plan.tail else [], tail_k.tolist() if plan.tail else []]
     assert got == [list(x) for x in want]
+
+
+def _packed(lens_q, lens_k, hq, hkv, d, dv, seed, trailing_q=0, trailing_k=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = lambda lens: torch.tensor([sum(lens[:i]) for i in range(len(lens) + 1)], dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(lens_q) + trailing_q, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lens_k) + trailing_k, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lens_k) + trailing_k, hkv, dv, generator=g, dtype=torch.float64)
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+@pytest.mark.parametrize("family, lens_q, lens_k, hq, hkv, causal, splits, tq_extra, tk_extra", [
+    pytest.param("ffpa", [1, 1, 1], [700, 33, 1290], 8, 1, True, 3, 0, 0, id="decode-3-docs-g8"),
+    pytest.param("ffpa", [4, 0, 1, 3], [900, 500, 0, 2], 4, 2, True, 4, 2, 5, id="empty-docs-trailing-rows"),
+    pytest.param("fa4", [2, 5, 1], [3, 600, 1], 4, 4, True, 2, 1, 0, id="tail-longer-than-keys"),
+    pytest.param("fa4", [16, 7], [1000, 257], 2, 1, False, 7, 0, 3, id="16-queries-not-causal"),
+    pytest.param("ffpa", [3], [2000], 8, 2, True, 5, 3, 0, id="one-doc-fewer-queries-than-max"),
+])
+def test_packed_split_route_matches_fp64(family, lens_q, lens_k, hq, hkv, causal, splits, tq_extra, tk_extra):
+    """Packed decoding (vLLM's and HF continuous batching's decode calls) on the split route, drawn from the
+    varlen contract: empty and 1-token documents, a document with fewer queries than max_seqlen_q, a causal
+    document with fewer keys than queries, rows past cu_seqlens_q[-1] and cu_seqlens_k[-1]."""
+    d, dv = (16, 16) if family == "ffpa" else (32, 24)
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, hq, hkv, d, dv, seed=sum(lens_k), trailing_q=tq_extra,
+                                  trailing_k=tk_extra)
+    max_q = max(lens_q) + (family == "ffpa")  # a max_seqlen_q above every document's is within the contract
+    with routes.forced_forward("split-kv"):
+        out, lse = xt.attention_with_lse(q, k, v, causal=causal, family=family, cu_seqlens_q=cu_q,
+                                         cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max(lens_k),
+                                         num_splits=splits)
+    assert ("combine", family) in CALLS, "the split route did not run"
+    ref_out, ref_lse = ref_varlen(q, k, v, cu_q, cu_k, scale=d ** -0.5, causal=causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
+
+
+def test_packed_decode_auto_route_and_its_gradient():
+    """auto: a packed decode batch on a long cache splits, a packed prefill does not; the backward of a split
+    forward (the fused one, on its out and lse) gives fp64's gradients."""
+    q, k, v, cu_q, cu_k = _packed([1, 2], [4000, 3000], 4, 4, 16, 16, seed=5)  # g 1: the fused backward
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = xt.attention(*leaves, causal=True, family="ffpa", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=2,
+                       max_seqlen_k=4000)
+    assert ("combine", "ffpa") in CALLS
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = ref_varlen(*ref_leaves, cu_q, cu_k, scale=0.25, causal=True)[0]
+    want = torch.autograd.grad(ref_out, ref_leaves, dout)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    CALLS.clear()
+    q, k, v, cu_q, cu_k = _packed([64, 64], [4000, 3000], 8, 1, 16, 16, seed=6)
+    xt.attention(q, k, v, causal=True, family="ffpa", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64,
+                 max_seqlen_k=4000)
+    assert ("combine", "ffpa") not in CALLS

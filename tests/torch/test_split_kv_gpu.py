@@ -99,3 +99,36 @@ def test_causal_tail_orders_its_stream_after_the_callers():
     torch.cuda.synchronize()
     ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
     assert rel_err(got, ref_out) < 1e-2
+
+
+@pytest.mark.parametrize("d, lens_q, lens_k, hq, hkv, causal, trailing", [
+    pytest.param(512, [1] * 8, [9000, 1, 0, 4100, 7, 3000, 513, 8192], 32, 4, True, (0, 0), id="d512-decode-8-docs"),
+    pytest.param(512, [4, 0, 1, 3], [9001, 500, 2, 4000], 32, 4, True, (3, 5), id="d512-spec-decode-trailing"),
+    pytest.param(128, [2, 16, 1], [20000, 6000, 1], 32, 8, True, (0, 7), id="d128-mixed"),
+    pytest.param(256, [1, 1], [7001, 12000], 32, 16, False, (2, 0), id="d256-not-causal"),
+])
+def test_packed_split_kv_vs_fp64_and_fused(d, lens_q, lens_k, hq, hkv, causal, trailing):
+    """Packed decoding (vLLM's / HF continuous batching's decode step) on the split route, forced, against fp64
+    and the fused varlen kernel: empty, 1-key and fewer-keys-than-queries documents, rows past cu[-1]."""
+    g = torch.Generator(device="cuda").manual_seed(sum(lens_k) + d)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    tk = sum(lens_k) + trailing[1]
+    q, k, v = mk(sum(lens_q) + trailing[0], hq, d), mk(tk, hkv, d), mk(tk, hkv, d)
+    cu = lambda lens: torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)  # noqa: E731
+    kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+              causal=causal)
+    _poison_allocator()
+    with routes.forced_forward("split-kv"):
+        out, lse = xt.attention_with_lse(q, k, v, **kw)
+    fused_out, fused_lse = xt.attention_with_lse(q, k, v, num_splits=1, **kw)
+    from tests.reference import varlen_attention
+
+    ref_out, ref_lse = varlen_attention(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], scale=d ** -0.5,
+                                        causal=causal)
+    err, fused_err = rel_err(out, ref_out), rel_err(fused_out, ref_out)
+    assert err < 2 * fused_err + 2e-3, (err, fused_err)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and torch.equal(out[~finite.any(0)], ref_out[~finite.any(0)].to(
+        out.dtype))
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-3 + \
+        (fused_lse[finite].double() - ref_lse[finite]).abs().max()

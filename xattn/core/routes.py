@@ -7,7 +7,7 @@ Both front ends describe a call (:class:`BwdProblem`), ask :func:`backward_route
 
 Forward (:func:`forward_route`, :class:`FwdProblem`): ``fused`` (the family's kernel, dense or varlen, every
 problem) or ``split-kv`` (decoding: the keys split over CTAs and merged by lse, :mod:`xattn.core.split_kv`;
-dense queries, at most :data:`~xattn.core.split_kv.MAX_DECODE_QUERIES` per sequence, no window).
+dense or packed queries, at most :data:`~xattn.core.split_kv.MAX_DECODE_QUERIES` per sequence, no window).
 ``XATTN_FWD_ROUTE`` (``auto``, ``fused``, ``split-kv``; test hook :func:`forced_forward`) and the call's
 ``num_splits`` (FlashAttention's: 0 auto, 1 off, n > 1 that many splits) choose it. Backward:
 
@@ -165,9 +165,10 @@ def _check_request(name: str) -> str:
 @dataclass(frozen=True)
 class FwdProblem:
     """What a forward route decision reads. Dense queries ``[B, Nq, Hq, ..]`` on ``seqlen_k`` keys per
-    sequence (``lengths``: per-sequence valid keys when they differ, host ints; ``None`` with ``traced``: device
-    values), or ``varlen``. ``flat_kv``: the front end can view every sequence's keys on one row stride (k and
-    v strides ``(sB, sN, ..)`` with ``sB % sN == 0``, the same ``sB / sN`` for both). ``num_sms``: the GPU's.
+    sequence (``traced``: per-sequence valid keys as device values), or ``varlen`` (packed: B documents of at
+    most ``seqlen_q`` = max_seqlen_q queries and ``seqlen_k`` = max_seqlen_k keys; their lengths on the device).
+    ``flat_kv``: the front end can view every sequence's keys on one row stride (k and v strides ``(sB, sN, ..)``
+    with ``sB % sN == 0``, the same ``sB / sN`` for both). ``num_sms``: the GPU's.
     ``num_splits``: the call's override (0 auto, 1 off, n > 1 that many)."""
 
     family: str
@@ -210,8 +211,6 @@ def why_not_forward(name: str, p: FwdProblem) -> str | None:
         return None
     if name != "split-kv":
         raise ValueError(f"unknown forward route {name!r}; expected one of {FORWARD_ROUTES}")
-    if p.varlen:
-        return "split-kv serves dense queries [B, Nq, ..] (packed queries: not yet)"
     if p.local:
         return "a sliding window: the fused kernel reads only the window's keys"
     if p.seqlen_q > split_kv.MAX_DECODE_QUERIES:
@@ -241,7 +240,7 @@ def forward_route(p: FwdProblem, request: str | None = None) -> Route:
     splits = p.num_splits or auto
     if splits > 1 or request == "split-kv":
         splits = max(splits, 2)
-        plan = split_kv.plan_splits(splits, p.causal, p.seqlen_q, None if p.traced else p.seqlen_k)
+        plan = split_kv.plan_splits(splits, p.causal, p.seqlen_q, None if p.traced or p.varlen else p.seqlen_k)
         how = f"num_splits={p.num_splits}" if p.num_splits else f"{auto} splits fill {p.num_sms} SMs"
         forced = "forced by XATTN_FWD_ROUTE=split-kv; " if request == "split-kv" else ""
         return Route("split-kv", f"{forced}{how}", p, plan)

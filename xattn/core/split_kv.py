@@ -26,6 +26,14 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
    ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
    A row no key reaches gets out 0, lse -inf, as the fused kernels.
 
+**Packed queries** (varlen: ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_q/k``, at most Nq =
+``max_seqlen_q`` <= :data:`MAX_DECODE_QUERIES` queries per document: vLLM's and HF continuous batching's decode
+steps) run as the dense problem with Nq = ``max_seqlen_q``: document b's ``n_b`` queries are gathered into the
+last ``n_b`` of its Nq rows (the rows before them repeat other queries and are dropped), so the causal tail's
+bottom-right alignment holds for them (query i sees key p iff p <= L - n_b + i); its keys start at
+``cu_seqlens_k[b]`` (``starts``) with L = ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` valid ones, each
+document's chunk its own. The rows come back by a gather; rows past ``cu_seqlens_q[-1]`` read out 0, lse -inf.
+
 The partials are rounded to the input dtype (the kernels write out in q's dtype), so the result equals
 the fused kernel's within one more rounding of that dtype.
 """
@@ -136,23 +144,25 @@ def split_bounds(plan: SplitPlan, length: int, seqlen_q: int) -> list[tuple[int,
 
 
 def split_cu_seqlens(plan: SplitPlan, seqlen_q: int, rows_per_seq: int, lengths: list[int],
-                     key_rows: int) -> tuple[list[int], list[int], list[int], list[int]]:
+                     key_rows: int, starts: list[int] | None = None
+                     ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Host int lists ``(cu_q, cu_k)`` of the split launch and ``(tail_cu_q, tail_cu_k)`` of the tail launch
     (empty without a tail), for sequences of ``lengths`` valid keys whose keys start every ``rows_per_seq``
-    rows of a flat key view of ``key_rows`` rows.
+    rows of a flat key view of ``key_rows`` rows, or at ``starts[b]`` (packed keys: ``cu_seqlens_k[:-1]``).
 
     Split launch: ``B * (P + 1)`` documents (module docstring), queries ``q_split [B*P*Nq]``. Tail launch:
     ``2 B`` documents, per sequence one without a query (the rows before its tail) and one with its Nq
     queries (q's own rows ``[B*Nq]``) on its tail keys."""
     cu_q, cu_k, tail_q, tail_k = [0], [0], [0], [0]
     for b, length in enumerate(lengths):
-        base = b * rows_per_seq
+        base = b * rows_per_seq if starts is None else starts[b]
         bounds = split_bounds(plan, length, seqlen_q)
         for s, (lo, hi) in enumerate(bounds):
             cu_q.append(cu_q[-1] + seqlen_q)
             cu_k.append(base + (lo if plan.tail and s == plan.splits else hi))  # the tail slot: no key here
         cu_q.append(cu_q[-1])  # no query: the rows up to the next sequence
-        cu_k.append(key_rows if b == len(lengths) - 1 else base + rows_per_seq)
+        last = b == len(lengths) - 1
+        cu_k.append(key_rows if last else base + rows_per_seq if starts is None else starts[b + 1])
         if plan.tail:
             lo, hi = bounds[-1]
             tail_q += [tail_q[-1], tail_q[-1] + seqlen_q]

@@ -4,7 +4,9 @@ front end runs). How and why: :mod:`xattn.core.split_kv` (glossary there); when:
 :func:`xattn.core.routes.forward_route`, decided at trace time from static shapes.
 
 JAX arrays are compact, so k/v ``[B, Nk, Hkv, D]`` reshape to the flat key view ``[B Nk, Hkv, D]`` for free
-(R = Nk); ``q_split [B*P*Nq, Hq, D]`` is one broadcast copy of q; the cu_seqlens are trace-time constants.
+(R = Nk); ``q_split [B*P*Nq, Hq, D]`` is one broadcast copy of q; the cu_seqlens are trace-time constants (from
+traced lengths: jnp arithmetic). Packed calls (varlen) run as the dense problem of ``max_seqlen_q`` queries per
+document on packed keys (:func:`packed_split_forward`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from xattn.core.split_kv import SplitPlan
 
 from . import _ffi
 
-__all__ = ["split_forward", "num_sms", "device_cu_seqlens_k"]
+__all__ = ["split_forward", "packed_split_forward", "num_sms", "device_cu_seqlens_k"]
 
 
 def num_sms() -> int:
@@ -39,12 +41,12 @@ def _varlen(cfg, causal: bool, q, k, v, cu_q, cu_k, max_q: int, max_k: int):
     return out, lse
 
 
-def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths):
-    """``(cu_k, tail_cu_k)`` int32 from traced per-sequence valid keys ``lengths [B]``: the documents of
-    :func:`xattn.core.split_kv.split_cu_seqlens`, each sequence's chunk ``plan.chunk`` or its own
-    (``tail_cu_k`` None without a tail)."""
+def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths, starts=None):
+    """``(cu_k, tail_cu_k)`` int32 from traced per-sequence valid keys ``lengths [B]`` starting every ``rows``
+    rows or at ``starts [B]`` (packed keys): the documents of :func:`xattn.core.split_kv.split_cu_seqlens`, each
+    sequence's chunk ``plan.chunk`` or its own (``tail_cu_k`` None without a tail)."""
     n = jnp.asarray(lengths).astype(jnp.int32)
-    base = jnp.arange(n.shape[0], dtype=jnp.int32) * rows
+    base = jnp.arange(n.shape[0], dtype=jnp.int32) * rows if starts is None else jnp.asarray(starts).astype(jnp.int32)
     full = n - jnp.minimum(n, seqlen_q) if plan.tail else n
     per = plan.splits * split_kv.KEY_TILE
     chunk = jnp.full_like(full, plan.chunk) if plan.chunk else \
@@ -62,18 +64,46 @@ def split_forward(cfg, plan: SplitPlan, q, k, v, lengths=None):
     """``(out [B, Nq, Hq, Dv], lse fp32 [B, Hq, Nq])`` of a dense call by the split route: sequence b holds its
     first ``lengths[b]`` keys (int ``[B]``, traced; clipped to ``[0, Nk]``), or all Nk (``None``). ``cfg``: the
     call's :class:`xattn.jax.attention.Config`."""
+    b, nk = q.shape[0], k.shape[1]
+    kf, vf = k.reshape(b * nk, *k.shape[2:]), v.reshape(b * nk, *v.shape[2:])
+    return _split(cfg, plan, q, kf, vf, nk, lengths if lengths is None else jnp.clip(jnp.asarray(lengths), 0, nk))
+
+
+def packed_split_forward(cfg, plan: SplitPlan, q, k, v, cu_q, cu_k, max_seqlen_q: int):
+    """``(out [Tq, Hq, Dv], lse fp32 [Hq, Tq])`` of packed queries q ``[Tq, Hq, D]`` (at most ``max_seqlen_q`` per
+    document) on packed keys k/v ``[Tk, Hkv, D/Dv]`` by the split route: the dense problem of Nq = ``max_seqlen_q``
+    queries per document (:mod:`xattn.core.split_kv`, "Packed queries"), gathered in and out by traced indices;
+    rows past ``cu_q[-1]`` read out 0, lse -inf."""
+    b, nq = cu_q.shape[0] - 1, max_seqlen_q
+    tq, hq, d = q.shape
+    dv = v.shape[-1]
+    cu_q, cu_k = jnp.asarray(cu_q).astype(jnp.int32), jnp.asarray(cu_k).astype(jnp.int32)
+    src = jnp.clip(cu_q[1:, None] - nq + jnp.arange(nq, dtype=jnp.int32), 0, max(tq - 1, 0)).reshape(-1)
+    out_d, lse_d = _split(cfg, plan, q[src].reshape(b, nq, hq, d), k, v, 0, cu_k[1:] - cu_k[:-1], cu_k[:-1])
+    t = jnp.arange(tq, dtype=jnp.int32)
+    doc = jnp.minimum(jnp.searchsorted(cu_q[1:], t, side="right"), max(b - 1, 0))
+    row = doc * nq + jnp.clip(t - cu_q[doc + 1] + nq, 0, nq - 1)
+    kept = t < cu_q[-1]
+    out = jnp.where(kept[:, None, None], out_d.reshape(b * nq, hq, dv)[row], 0).astype(q.dtype)
+    lse = jnp.where(kept, jnp.transpose(lse_d, (1, 0, 2)).reshape(hq, b * nq)[:, row], -jnp.inf)
+    return out, lse
+
+
+def _split(cfg, plan: SplitPlan, q, kf, vf, nk: int, lengths, starts=None):
+    """:func:`split_forward` on the flat key views ``kf/vf [key_rows, Hkv, D]``: sequence b's keys start at row
+    ``b * nk`` (its first ``lengths[b]``, or all nk) or at ``starts[b]`` (traced, with ``lengths``)."""
     b, nq, hq, d = q.shape
-    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dv = vf.shape[-1]
     p = plan.partials
-    kf, vf = k.reshape(b * nk, hkv, d), v.reshape(b * nk, hkv, dv)
-    cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, nk, [nk] * b, b * nk)
+    key_rows = kf.shape[0]
+    cu_q, cu_k, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, nk, [nk] * b, key_rows)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
     const = lambda cu: jnp.asarray(np.asarray(cu, dtype=np.int32))  # noqa: E731
     max_k, tail_max_k = longest(cu_k), longest(tail_k)
     cu_k, tail_k = const(cu_k), const(tail_k) if tail_k else None
     if lengths is not None:  # the documents' keys from the traced lengths; the queries' as planned
-        cu_k, tail_k = device_cu_seqlens_k(plan, nq, nk, b * nk, jnp.clip(jnp.asarray(lengths), 0, nk))
-        max_k = tail_max_k = b * nk
+        cu_k, tail_k = device_cu_seqlens_k(plan, nq, nk, key_rows, lengths, starts)
+        max_k = tail_max_k = key_rows
     q_split = jnp.broadcast_to(q[:, None], (b, p, nq, hq, d)).reshape(b * p * nq, hq, d)
     out_p, lse_p = _varlen(cfg, False, q_split, kf, vf, const(cu_q), cu_k, nq, max_k)
     out_p, lse_p = out_p.reshape(b, p, nq, hq, dv), lse_p.reshape(hq, b, p, nq)

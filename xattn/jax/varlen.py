@@ -101,9 +101,28 @@ def varlen_forward_call(cfg: VarlenConfig, q, k, v, cu_q, cu_k):
     if q.shape[0] == 0 or k.shape[0] == 0:  # no query token, or no key in any segment: no launch
         return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype), jnp.full((q.shape[1], q.shape[0]), -jnp.inf,
                                                                          jnp.float32)
+    route = forward_route(cfg, spec, k, cu_q)
+    if route.name == "split-kv":
+        from .split_kv import packed_split_forward
+
+        return packed_split_forward(c, route.plan, q, k, v, cu_q, cu_k, cfg.max_seqlen_q)
     outs = [("out", (*q.shape[:2], v.shape[-1]), q.dtype), ("lse", (q.shape[1], q.shape[0]), "float32")]
     out, lse = _ffi.call(spec, [q, k, v, cu_q, cu_k], outs, [], c.scale, vmap_method="sequential")
     return out, lse
+
+
+def forward_route(cfg: VarlenConfig, spec, k, cu_q) -> routes.Route:
+    """The forward route of a packed call (:func:`xattn.core.routes.forward_route`, from static shapes at trace
+    time): ``split-kv`` for decoding (at most 16 queries per document on many keys), else ``fused``."""
+    from .split_kv import num_sms
+
+    c = cfg.base
+    problem = routes.FwdProblem(spec.family, cu_q.shape[0] - 1, k.shape[1], spec.qhead_per_kvhead,
+                                cfg.max_seqlen_q, cfg.max_seqlen_k, causal=spec.causal, local=spec.is_local,
+                                varlen=True, num_sms=num_sms(), num_splits=c.num_splits, traced=True)
+    route = routes.forward_route(problem, c.fwd_route)
+    _log.debug("xattn packed forward route %s: %s", route.name, route.reason)
+    return route
 
 
 def varlen_backward_call(cfg: VarlenConfig, dout, q, k, v, out, lse, cu_q, cu_k):

@@ -136,7 +136,7 @@ def _fwd_setup(q, k, v, family, causal, window_left, window_right, cu_seqlens_q,
 
 
 _FWD_ROUTES = Memo()  # (checked, rows, num_splits, request, device) -> (Route, rows)
-_FUSED = routes.Route("fused", "the family's forward kernel (varlen, or more queries than decoding)")
+_FUSED = routes.Route("fused", "the family's forward kernel (more queries per sequence than decoding)")
 
 
 def _fwd_route(checked, q, k, v, num_splits: int):
@@ -144,9 +144,9 @@ def _fwd_route(checked, q, k, v, num_splits: int):
     row stride between sequences (:func:`xattn.torch.split_kv.rows_per_seq`)."""
     spec, problem = checked
     request = routes.requested_forward()
-    if request == "auto" and num_splits <= 1 and (spec.varlen or problem.seqlen_q > split_kv.MAX_DECODE_QUERIES):
+    if request == "auto" and num_splits <= 1 and problem.seqlen_q > split_kv.MAX_DECODE_QUERIES:
         return _FUSED, None  # prefill and training: no decision to make
-    rows = None if spec.varlen else torch_split_kv.rows_per_seq(k, v)
+    rows = 0 if spec.varlen else torch_split_kv.rows_per_seq(k, v)  # packed keys: each document's own start
     key = (checked, rows, num_splits, request, q.device)
     hit = _FWD_ROUTES.get(key)
     if hit is None:
@@ -171,7 +171,11 @@ def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_rig
         if route.name == "split-kv":
             out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-            torch_split_kv.split_forward(route.plan, family, q, k, v, scale, rows, out, lse)
+            if cu_seqlens_q is not None:
+                torch_split_kv.packed_split_forward(route.plan, family, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q, scale, out, lse)
+            else:
+                torch_split_kv.split_forward(route.plan, family, q, k, v, scale, rows, out, lse)
             return out, lse
     out = _new(out_shape, q.dtype, q.device, fills.get("out"))
     lse = _new(lse_shape, torch.float32, q.device, fills.get("lse"))

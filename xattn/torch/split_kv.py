@@ -22,8 +22,8 @@ from xattn.core.split_kv import CombineSpec, SplitPlan
 
 from . import ops
 
-__all__ = ["rows_per_seq", "flat_keys", "split_forward", "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k",
-           "outside_graph_pools"]
+__all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "num_sms", "device_cu_seqlens_q",
+           "device_cu_seqlens_k", "outside_graph_pools"]
 
 _SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
@@ -169,12 +169,15 @@ def device_cu_seqlens_q(plan: SplitPlan, batch: int, seqlen_q: int, device):
     return cu_q, (torch.arange(2 * batch + 1, device=device) // 2 * seqlen_q).to(torch.int32)
 
 
-def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths: Tensor):
+def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int, lengths: Tensor,
+                        starts: Tensor | None = None):
     """``(cu_k, tail_cu_k)`` int32 on ``lengths``' device for per-sequence valid keys ``lengths [B]`` (device
-    values, never read on the host): the same documents as :func:`xattn.core.split_kv.split_cu_seqlens`, each
-    sequence's chunk ``plan.chunk`` or, for a plan without one, its own (``tail_cu_k`` None without a tail)."""
+    values, never read on the host) starting every ``rows`` rows or at ``starts [B]`` (packed keys): the same
+    documents as :func:`xattn.core.split_kv.split_cu_seqlens`, each sequence's chunk ``plan.chunk`` or, for a
+    plan without one, its own (``tail_cu_k`` None without a tail)."""
     n = lengths.to(torch.int64)
-    base = torch.arange(n.shape[0], device=n.device, dtype=torch.int64) * rows
+    base = torch.arange(n.shape[0], device=n.device, dtype=torch.int64) * rows if starts is None else \
+        starts.to(torch.int64)
     full = n - n.clamp(max=seqlen_q) if plan.tail else n
     per = plan.splits * split_kv.KEY_TILE
     chunk = ((full + per - 1) // per).clamp(min=1) * split_kv.KEY_TILE if not plan.chunk else \
@@ -215,17 +218,51 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` whose sequences start every ``rows`` flat rows
     (:func:`rows_per_seq`). Sequence b holds its first ``lengths[b]`` keys (int32 ``[B]`` on the device, read
     only there), or all Nk (``lengths`` None)."""
+    key_rows = rows * (q.shape[0] - 1) + k.shape[1]
+    _split(plan, family, q, flat_keys(k, key_rows), flat_keys(v, key_rows), k.shape[1], rows, scale, out, lse,
+           lengths)
+
+
+def packed_split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                         cu_seqlens_k: Tensor, max_seqlen_q: int, scale: float, out: Tensor, lse: Tensor) -> None:
+    """Write ``out [Tq, Hq, Dv]`` and ``lse [Hq, Tq]`` (any content before) by the split route for packed queries
+    q ``[Tq, Hq, D]`` (document b: rows ``cu_seqlens_q[b]..[b + 1]``, at most ``max_seqlen_q`` of them) on packed
+    keys k/v ``[Tk, Hkv, D/Dv]`` (``cu_seqlens_k``): as the dense problem of Nq = ``max_seqlen_q`` queries per
+    document (:mod:`xattn.core.split_kv`, "Packed queries"); every index is computed on the device (no sync)."""
+    b, nq = cu_seqlens_q.shape[0] - 1, max_seqlen_q
+    tq, hq, d = q.shape
+    dv = v.shape[-1]
+    cu_q = cu_seqlens_q.to(torch.int64)
+    # dense row (b, j) holds packed row cu_q[b + 1] - Nq + j: the document's queries are its last rows
+    src = (cu_q[1:, None] - nq + torch.arange(nq, device=q.device)).clamp(0, max(tq - 1, 0)).flatten()
+    q_dense = q.index_select(0, src).view(b, nq, hq, d)
+    out_d = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse_d = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    _split(plan, family, q_dense, k, v, 0, 0, scale, out_d, lse_d, lengths, cu_seqlens_k[:-1])
+    # packed row t of document doc: dense row (doc, t - cu_q[doc + 1] + Nq); rows past cu_q[-1]: 0 / -inf
+    t = torch.arange(tq, device=q.device, dtype=torch.int64)
+    doc = torch.searchsorted(cu_q[1:].contiguous(), t, right=True).clamp(max=max(b - 1, 0))
+    row = doc * nq + (t - cu_q[doc + 1] + nq).clamp(0, nq - 1)
+    kept = t < cu_q[-1]
+    out.copy_(torch.where(kept[:, None, None], out_d.view(b * nq, hq, dv).index_select(0, row), 0))
+    lse.copy_(torch.where(kept, lse_d.permute(1, 0, 2).reshape(hq, b * nq).index_select(1, row), float("-inf")))
+
+
+def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
+           out: Tensor, lse: Tensor, lengths: Tensor | None, starts: Tensor | None = None) -> None:
+    """:func:`split_forward` on the flat key views ``kf/vf [key_rows, Hkv, D]``; sequence b's keys start at row
+    ``b * rows`` or ``starts[b]`` (device values: then ``lengths`` too)."""
     b, nq, hq, d = q.shape
-    nk, dv = k.shape[1], v.shape[-1]
+    dv = vf.shape[-1]
     p = plan.partials
-    key_rows = rows * (b - 1) + nk
-    kf, vf = flat_keys(k, key_rows), flat_keys(v, key_rows)
+    key_rows = kf.shape[0]
     in_place = plan.tail_in_place(b) and lengths is None  # (device lengths come with a plan of chunk 0: never)
     prefill = plan.prefill(b) or lengths is not None
     q_split = _slots(q, plan.splits if in_place else p)
     setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
     if lengths is not None:  # the documents' keys from the device lengths; the queries' as set up
-        cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, lengths)
+        cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, lengths, starts)
         setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=key_rows, tail_max_k=key_rows)
     make = torch.zeros if prefill else torch.empty  # rows no launch writes (FFPA skips them) read (0, -inf)
     out_p = make((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
