@@ -20,10 +20,10 @@ dim stored with P extra elements, NaN); ``wide:E:O`` (heads O..O+H of storage wi
 around). JAX arrays are compact: for ``jax``, ``swapped`` means the function is given
 ``[B, H, N, D]`` arrays and transposes them itself.
 
-Routes: for ``torch`` dense draws also ``paged`` (the same keys in shuffled pages, ``xt.paged_attention``, out and
-lse only); for ``torch`` and ``jax`` every backward route that can serve the configuration
-(:func:`xattn.core.routes.serving_routes` of the problem as that front end describes it: host lengths for
-torch, traced ones for JAX) runs forced, one after the other, each judged on its own (checks named
+Routes: for ``torch`` draws also ``paged`` (the same keys in shuffled pages, ``xt.paged_attention``, out and
+lse only; packed draws as vLLM's varlen call); for ``torch`` and ``jax`` every backward route that can serve the
+configuration (:func:`xattn.core.routes.serving_routes` of the problem as that front end describes it: host lengths
+for torch, traced ones for JAX) runs forced, one after the other, each judged on its own (checks named
 ``dq@gemm-padded``); ``core`` and ``core-jax`` call the fused kernels directly (route ``fused``).
 
 ``CORE`` holds the core entry points; the CPU tests swap in the fp64 stand-ins of
@@ -307,29 +307,36 @@ PAGE_SIZES = {"ffpa": 64, "fa4": 16}  # the paged route's pages in the fuzz (FFP
 
 
 def run_torch_paged(cfg: Config, inp: Inputs, device) -> dict:
-    """The paged route (issue #44) on the same keys: k/v copied into pools of shuffled pages with spare ones
-    (finite random values in every row past the keys), ``xt.paged_attention`` (forward only: out, lse)."""
+    """The paged route (issue #44) on the same keys: each sequence's keys copied into pools of shuffled pages with
+    spare ones (finite random values in every row past the keys), ``xt.paged_attention`` (forward only: out, lse);
+    packed draws make vLLM's call (``cu_seqlens_q``, ``max_seqlen_q`` as the varlen call passes it: decoding
+    batches take the split route over the pages)."""
     import xattn.torch as xt
 
     e = cfg.entry
     ps = PAGE_SIZES[e.family]
-    b, nk = inp.k.shape[0], inp.k.shape[1]
+    if cfg.varlen:
+        cu_k = inp.cu_k.tolist()
+        keys = [(inp.k[a:z], inp.v[a:z]) for a, z in zip(cu_k, cu_k[1:])]
+    else:
+        keys = [(inp.k[i], inp.v[i]) for i in range(inp.k.shape[0])]
+    b, nk = len(keys), max(len(k) for k, _ in keys)
     per = max(1, -(-nk // ps))
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     num_pages = b * per + 3
-    pools = []
-    for t in (inp.k, inp.v):
-        pool = torch.randn(num_pages, ps, *t.shape[2:], generator=gen, device=device, dtype=t.dtype)
-        pools.append(pool)
+    pools = [torch.randn(num_pages, ps, *t.shape[-2:], generator=gen, device=device, dtype=t.dtype)
+             for t in (inp.k, inp.v)]
     table = torch.randperm(num_pages, generator=gen, device=device)[:b * per].view(b, per).to(torch.int32)
-    for pool, t in zip(pools, (inp.k, inp.v)):
-        rows = torch.zeros(b, per * ps, *t.shape[2:], device=device, dtype=t.dtype)
-        rows[:, :nk] = t
-        pool[table.long()] = rows.view(b, per, ps, *t.shape[2:])
+    for i, seq in enumerate(keys):
+        for pool, t in zip(pools, seq):
+            rows = pool[table[i].long()].flatten(0, 1)
+            rows[:len(t)] = t
+            pool[table[i].long()] = rows.view(per, ps, *t.shape[1:])
     causal, window = _mask_args(cfg)
-    lengths = torch.full((b,), nk, dtype=torch.int32, device=device)
+    lengths = torch.tensor([len(k) for k, _ in keys], dtype=torch.int32, device=device)
+    packed = dict(cu_seqlens_q=inp.cu_q, max_seqlen_q=_torch_max_seqlen(cfg)[0]) if cfg.varlen else {}
     out, lse = xt.paged_attention(inp.q, pools[0], pools[1], table, lengths, softmax_scale=cfg.scale, causal=causal,
-                                  window_size=window, return_softmax_lse=True, family=e.family)
+                                  window_size=window, return_softmax_lse=True, family=e.family, **packed)
     return {"out": out, "lse": lse}
 
 
@@ -400,8 +407,8 @@ def routes_of(cfg: Config) -> list[str]:
     names = list(routes.serving_routes(problem))
     if cfg.front_end in ("torch", "jax") and routes.why_not_forward("split-kv", _forward_problem(cfg)) is None:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
-    if cfg.front_end == "torch" and not cfg.varlen and cfg.opt("entry") != "flash_attn_func":
-        names.append("paged")  # the same keys through a page table (forward only)
+    if cfg.front_end == "torch" and cfg.opt("entry") != "flash_attn_func":
+        names.append("paged")  # the same keys through a page table (forward only; packed: vLLM's call)
     return names
 
 

@@ -142,18 +142,19 @@ def split_launchers() -> list:
 
 
 def paged_launchers() -> list:
-    """The launchers the torch fuzz's ``paged`` route runs on the pool's dense entries (harness.PAGE_SIZES): the
-    entry's own mask (one launch) and the split launches (non-causal splits, causal tail)."""
+    """The launchers the torch fuzz's ``paged`` route runs on the pool's entries (harness.PAGE_SIZES): the entry's
+    own mask (one launch; packed entries: the packed-query paged launcher) and the split launches of decoding
+    (dense queries: non-causal splits, causal tail)."""
     import dataclasses
 
     sizes = {"ffpa": 64, "fa4": 16}
     out = []
     for s in launcher_pool():
-        if s.direction == "fwd" and not s.varlen:
+        if s.direction == "fwd":
             ps = sizes[s.family]
             out += [dataclasses.replace(s, page_size=ps)]
             if not s.is_local:
-                out += [dataclasses.replace(s, page_size=ps, causal=c) for c in (False, True)]
+                out += [dataclasses.replace(s, varlen=False, page_size=ps, causal=c) for c in (False, True)]
     return list(dict.fromkeys(out))
 
 

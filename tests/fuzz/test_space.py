@@ -176,6 +176,9 @@ def test_decoding_draws_force_the_split_route(drawn):
     paged = [c for c in drawn["torch"] if "paged" in routes_of(c)]
     assert {c.entry.family for c in paged} == {"ffpa", "fa4"} and any(c.batch > 1 for c in paged) and \
         any(c.entry.window != (None, None) for c in paged) and any(c.entry.causal and c.seqlen_q > 1 for c in paged)
+    packed_paged = [c for c in paged if c.varlen]  # vLLM's varlen call; decoding batches split over the pages
+    assert {c.entry.family for c in packed_paged} == {"ffpa", "fa4"} and \
+        any(c.seqlen_q <= 16 for c in packed_paged) and any(c.seqlen_q > 16 for c in packed_paged)
     for front_end in ("torch", "jax"):  # packed decoding batches (varlen, at most 16 queries per document)
         packed = [c for c in drawn[front_end] if c.varlen and "split-kv" in routes_of(c)]
         assert {c.entry.family for c in packed} == {"ffpa", "fa4"} and \

@@ -173,3 +173,61 @@ def test_the_fa4_shims_paged_varlen_call_runs_on_xattn():
     _, no_lse = fa4_interface.flash_attn_varlen_func(q, k_pool, v_pool, cu_seqlens_q=cu, seqused_k=seqused,
                                                      page_table=table, causal=True)
     assert no_lse is None
+
+
+@pytest.mark.parametrize("family, ps, hq, hkv, q_lens, lengths, causal", [
+    pytest.param("ffpa", 64, 8, 1, [1, 1, 0, 1], [600, 1, 0, 250], True, id="ffpa-decode-empty-request"),
+    pytest.param("ffpa", 128, 4, 2, [4, 2, 3], [900, 1, 130], True, id="ffpa-speculative-tail-longer-than-keys"),
+    pytest.param("fa4", 16, 8, 2, [16, 1], [700, 33], False, id="fa4-16-queries"),
+    pytest.param("fa4", 64, 4, 4, [2, 1, 1], [511, 64, 65], True, id="fa4-ps64-mha"),
+])
+def test_paged_packed_decoding_on_the_split_route(family, ps, hq, hkv, q_lens, lengths, causal):
+    """vLLM's decode step (packed queries, at most 16 per request, max_seqlen_q given) on the split route over the
+    pages, forced: empty requests, fewer keys than queries, rows past cu_seqlens_q[-1]; out and lse vs fp64."""
+    g = torch.Generator().manual_seed(ps + sum(lengths))
+    d, max_pages = 16, -(-max(lengths) // ps) + 1
+    k_pool, v_pool, table = _paged_cache(lengths, max_pages, ps, hkv, d, g)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]) + 2, hq, d, generator=g, dtype=torch.float64)  # 2 trailing rows
+    seqused = torch.tensor(lengths, dtype=torch.int32)
+    from xattn.core import routes
+
+    with routes.forced_forward("split-kv"):
+        out, lse = xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                                      causal=causal, return_softmax_lse=True, family=family, check_inputs=True)
+    assert ("combine", family) in CALLS, "the split route did not run"
+    kc, vc = _contiguous(k_pool, table), _contiguous(v_pool, table)
+    for i, (a, z) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        if z == a:
+            continue
+        want, want_lse = ref_attention(q[None, a:z], kc[i:i + 1, :lengths[i]], vc[i:i + 1, :lengths[i]],
+                                       scale=d ** -0.5, causal=causal)
+        finite = torch.isfinite(want_lse[0])
+        assert (out[a:z] - want[0]).abs().max() < 1e-6
+        assert torch.equal(torch.isfinite(lse[:, a:z]), finite)
+        torch.testing.assert_close(lse[:, a:z][finite].double(), want_lse[0][finite], atol=1e-5, rtol=1e-5)
+    assert torch.all(out[int(cu[-1]):] == 0) and torch.all(torch.isneginf(lse[:, int(cu[-1]):]))
+
+
+def test_paged_packed_decoding_takes_the_rule_and_max_seqlen_q_is_checked():
+    """auto: a one-token-per-request batch on long paged caches splits (given max_seqlen_q), one launch without it;
+    checked mode names a request with more queries than max_seqlen_q."""
+    g = torch.Generator().manual_seed(9)
+    lengths = [3000, 2000]
+    k_pool, v_pool, table = _paged_cache(lengths, 48, 64, 1, 16, g)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    q = torch.randn(2, 8, 16, generator=g, dtype=torch.float64)
+    seqused = torch.tensor(lengths, dtype=torch.int32)
+    split = xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu, max_seqlen_q=1, causal=True,
+                               family="ffpa")
+    assert ("combine", "ffpa") in CALLS
+    CALLS.clear()
+    one = xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu, causal=True, family="ffpa")
+    assert CALLS == [("paged", "ffpa")]
+    torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="max_seqlen_q=1: sequence 1 has 2 queries"):
+        xt.paged_attention(torch.cat([q, q[:1]]), k_pool, v_pool, table, seqused,
+                           cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32), max_seqlen_q=1, family="ffpa",
+                           check_inputs=True)
+    with pytest.raises(ValueError, match="max_seqlen_q: expected"):
+        xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu, max_seqlen_q=1.0, family="ffpa")

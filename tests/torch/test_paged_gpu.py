@@ -112,3 +112,38 @@ def test_paged_prefill_and_decode_mix_vs_fp64(family, d, hq, hkv, ps):
         assert rel_err(out[None, a:z], ref) < 1e-2, i
         assert (lse[:, a:z].double() - ref_lse[0]).abs().max() < 1e-3, i
     assert torch.all(out[bounds[-1]:] == 0) and torch.all(torch.isneginf(lse[:, bounds[-1]:]))
+
+
+@pytest.mark.parametrize("family, d, hq, hkv, ps, q_lens", [("ffpa", 512, 32, 4, 64, [1, 1, 0, 1]),
+                                                             ("ffpa", 512, 32, 4, 256, [4, 1, 3, 2]),
+                                                             ("fa4", 128, 32, 8, 16, [1, 16, 1, 1])])
+def test_paged_packed_decoding_split_vs_fp64(family, d, hq, hkv, ps, q_lens):
+    """vLLM's decode step (packed queries, max_seqlen_q <= 16) on the split route over the pages, by the rule and
+    forced, against fp64 and the single launch (max_seqlen_q not given)."""
+    from xattn.core import routes
+
+    g = torch.Generator(device="cuda").manual_seed(ps + d + sum(q_lens))
+    lengths = [9000, 2, 0, 4097]
+    max_pages = -(-max(lengths) // ps) + 2
+    k_pool, v_pool, table = _pool(lengths, max_pages, ps, hkv, d, g)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(int(cu[-1]) + 2, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    seqused = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    kw = dict(cu_seqlens_q=cu, causal=True, return_softmax_lse=True, family=family)
+    auto = xt.paged_attention(q, k_pool, v_pool, table, seqused, max_seqlen_q=max(q_lens), **kw)
+    with routes.forced_forward("split-kv"):
+        forced = xt.paged_attention(q, k_pool, v_pool, table, seqused, max_seqlen_q=max(q_lens), **kw)
+    one_out, one_lse = xt.paged_attention(q, k_pool, v_pool, table, seqused, **kw)
+    kc, vc = _contiguous(k_pool, table), _contiguous(v_pool, table)
+    bounds = cu.tolist()
+    for out, lse in (auto, forced):
+        for i, (a, z) in enumerate(zip(bounds, bounds[1:])):
+            if z == a:
+                continue
+            ref, ref_lse = ref_attention(q[None, a:z], kc[i:i + 1, :lengths[i]], vc[i:i + 1, :lengths[i]],
+                                         scale=d ** -0.5, causal=True)
+            assert rel_err(out[None, a:z], ref) < 2 * rel_err(one_out[None, a:z], ref) + 2e-3, i
+            finite = torch.isfinite(ref_lse[0])
+            assert torch.equal(torch.isfinite(lse[:, a:z]), finite), i
+            assert (lse[:, a:z][finite].double() - ref_lse[0][finite]).abs().max() < 1e-3, i
+        assert torch.all(out[bounds[-1]:] == 0) and torch.all(torch.isneginf(lse[:, bounds[-1]:]))

@@ -205,6 +205,7 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     given = dict(locals())
     if _paged_served(given):
         out, lse = paged_attention(q, k, v, page_table, seqused_k, cu_seqlens_q=cu_seqlens_q,
+                                   max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,
                                    softmax_scale=softmax_scale, causal=causal,
                                    window_size=_fa4_window(causal, window_size), return_softmax_lse=True)
         return out, (lse if return_lse else None)

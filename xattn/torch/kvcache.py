@@ -55,8 +55,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if k_cache.dim() != 4 or q.dim() != 4:
         raise ValueError(f"q/k_cache: expected [B, Nq, Hq, D] / [B, Nc, Hkv, D], got {tuple(q.shape)} / "
                          f"{tuple(k_cache.shape)}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
-        raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
+    _check_num_splits(num_splits)
     if block_table is not None:
         if page_table is not None:
             raise ValueError("page_table/block_table: give one (they are the same argument)")
@@ -97,9 +96,11 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, cu_seqlens_q=
     ``[B, Nq, Hq, D]`` (decoding: the split route) -> out ``[B, Nq, Hq, Dv]``, lse ``[B, Hq, Nq]``; packed q
     ``[Tq, Hq, D]`` with ``cu_seqlens_q [B + 1]`` int32 (prefill, or prefill mixed with decoding: vLLM's
     ``flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=..., seqused_k=..., block_table=...)``) -> out
-    ``[Tq, Hq, Dv]``, lse ``[Hq, Tq]``; masks bottom-right aligned on each sequence's keys. ``max_seqlen_q`` is
-    accepted for FlashAttention's signature and not needed. Checked mode as :func:`attention_with_kvcache`
-    (and the cu_seqlens_q rules of the varlen entries)."""
+    ``[Tq, Hq, Dv]``, lse ``[Hq, Tq]``; masks bottom-right aligned on each sequence's keys. ``max_seqlen_q`` (a
+    bound on every sequence's queries, as FlashAttention's) lets a packed decoding batch (at most 16 queries per
+    sequence) take the split route; without it packed calls run one launch. ``num_splits`` as
+    :func:`attention_with_kvcache`. Checked mode as :func:`attention_with_kvcache` (and the cu_seqlens_q rules of
+    the varlen entries, ``max_seqlen_q`` included)."""
     q, k_pages, v_pages = as_input("q", q), as_input("k_cache", k_pages), as_input("v_cache", v_pages)
     page_table = as_input("page_table", page_table)
     if cu_seqlens_q is None:
@@ -116,6 +117,8 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, cu_seqlens_q=
         raise ValueError(f"cu_seqlens_q: expected int32 [B + 1 = {b + 1}] on {q.device}, got {cu_seqlens_q.dtype} "
                          f"{tuple(cu_seqlens_q.shape)} on {cu_seqlens_q.device}")
     _check_table(q, k_pages, page_table, b, v_pages)
+    _check_num_splits(num_splits)
+    max_seqlen_q = _max_seqlen(max_seqlen_q)
     lengths = _lengths(seqused_k, b, q.device)
     if ops.checking(check_inputs):
         cu = cu_seqlens_q.tolist()
@@ -123,6 +126,9 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, cu_seqlens_q=
             if cu[0] != 0 or y < x or cu[-1] > q.shape[0]:
                 raise ValueError(f"cu_seqlens_q: must start at 0, never decrease and end <= Tq={q.shape[0]}; "
                                  f"got {cu[0]} at 0, {x} -> {y} at {i}, end {cu[-1]}")
+            if max_seqlen_q is not None and y - x > max_seqlen_q:
+                raise ValueError(f"max_seqlen_q={max_seqlen_q}: sequence {i} has {y - x} queries "
+                                 f"(cu_seqlens_q {x} -> {y})")
         _check_lengths(lengths, 0, page_table.shape[1] * k_pages.shape[1])
         paged.check_page_table(page_table, lengths, k_pages.shape[0], k_pages.shape[1])
     family = family or default_family(q.shape[-1], v_pages.shape[-1])
@@ -130,8 +136,22 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, cu_seqlens_q=
     causal, left, right = mask_args(causal, window_size)
     with torch.no_grad():
         out, lse = paged.paged_varlen_forward(q, k_pages, v_pages, cu_seqlens_q, page_table, lengths, family, scale,
-                                              causal, left, right)
+                                              causal, left, right, max_seqlen_q, num_splits)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_num_splits(num_splits) -> None:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
+        raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
+
+
+def _max_seqlen(value) -> int | None:
+    """A caller's ``max_seqlen_q`` (None, or a non-negative int)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_seqlen_q: expected None or a non-negative int, got {value!r}")
+    return value
 
 
 def _check_table(q, k_pages, page_table, b: int, v_pages=None) -> None:

@@ -8,6 +8,9 @@ Pools ``k_pages/v_pages [NP, PS, Hkv, D/Dv]``, ``page_table [B, P]`` int32, ``le
   entry's keys and its page-table columns, built by device arithmetic (no sync, CUDA-graph safe);
 * the **causal tail** (Nq > 1): one causal entry per sequence from the page holding key ``L - Nq``;
 * with a window, or one split: a single launch over each sequence's whole table (no combine).
+
+Packed queries (``cu_seqlens_q``, vLLM's varlen call) with at most 16 per sequence run the same way, as the dense
+problem of ``max_seqlen_q`` queries (:func:`xattn.torch.split_kv.dense_queries`); others one launch.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import functools
 import torch
 from torch import Tensor
 
-from xattn.core import paged, split_kv
+from xattn.core import paged, routes, split_kv
 from xattn.core.split_kv import CombineSpec
 
-from . import ops
+from . import ops, split_kv as split_kv_torch
 from .split_kv import num_sms
 
 __all__ = ["paged_forward", "paged_varlen_forward", "append_paged", "check_page_table"]
@@ -70,15 +73,30 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
 
 
 def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q: Tensor, page_table: Tensor,
-                         lengths: Tensor, family: str, scale: float, causal: bool, left,
-                         right) -> tuple[Tensor, Tensor]:
+                         lengths: Tensor, family: str, scale: float, causal: bool, left, right,
+                         max_seqlen_q: int | None = None, num_splits: int = 0) -> tuple[Tensor, Tensor]:
     """``(out [Tq, Hq, Dv], lse [Hq, Tq] fp32)`` of packed queries q ``[Tq, Hq, D]`` (sequence b: rows
     ``cu_seqlens_q[b]..[b + 1]``) on each sequence's first ``lengths[b]`` paged keys, masks bottom-right aligned on
-    them: prefill (and mixed prefill/decode batches) over the pages, one launch; rows past ``cu_seqlens_q[-1]``
-    read out 0, lse -inf."""
+    them; rows past ``cu_seqlens_q[-1]`` read out 0, lse -inf. With ``max_seqlen_q`` (a bound on every sequence's
+    queries) the forward route decides (:func:`xattn.core.routes.forward_route`): decoding batches (at most 16
+    queries per sequence: vLLM's decode step) take ``split-kv``, as the dense problem of ``max_seqlen_q`` queries
+    (:func:`paged_forward`); prefill and mixed batches one launch over the pages."""
+    hq, dv = q.shape[1], v_pages.shape[-1]
+    hkv, ps, b = k_pages.shape[2], k_pages.shape[1], page_table.shape[0]
+    if max_seqlen_q is not None and q.shape[0] and b:
+        problem = routes.FwdProblem(family, b, hkv, hq // hkv, max_seqlen_q, page_table.shape[1] * ps, causal=causal,
+                                    local=left is not None or right is not None, varlen=True,
+                                    num_sms=num_sms(q.device), num_splits=num_splits)
+        route = routes.forward_route(problem)
+        if route.name == "split-kv":
+            out_d, lse_d = paged_forward(split_kv_torch.dense_queries(q, cu_seqlens_q, max_seqlen_q), k_pages, v_pages,
+                                         page_table, lengths, family, scale, causal, left, right, route.plan.splits)
+            out = torch.empty((q.shape[0], hq, dv), dtype=q.dtype, device=q.device)
+            lse = torch.empty((hq, q.shape[0]), dtype=torch.float32, device=q.device)
+            split_kv_torch.packed_rows(out_d, lse_d, cu_seqlens_q, out, lse)
+            return out, lse
     kp, vp = _pools(family, k_pages, v_pages)
     meta = torch.cat([lengths.to(torch.int32)[:, None], page_table.to(torch.int32)], dim=1)
-    hq, dv = q.shape[1], v_pages.shape[-1]
     spec = ops.paged_spec(family, str(q.dtype).removeprefix("torch."), q.shape[-1], dv, hq // kp.shape[-2], causal,
                           left, right, k_pages.shape[1], varlen=True)
     out = torch.zeros((q.shape[0], hq, dv), dtype=q.dtype, device=q.device)  # the varlen kernels' pre-fill

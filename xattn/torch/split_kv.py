@@ -22,8 +22,8 @@ from xattn.core.split_kv import CombineSpec, SplitPlan
 
 from . import ops
 
-__all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "num_sms", "device_cu_seqlens_q",
-           "device_cu_seqlens_k", "outside_graph_pools"]
+__all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "dense_queries", "packed_rows",
+           "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k", "outside_graph_pools"]
 
 _SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
@@ -230,22 +230,33 @@ def packed_split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: 
     keys k/v ``[Tk, Hkv, D/Dv]`` (``cu_seqlens_k``): as the dense problem of Nq = ``max_seqlen_q`` queries per
     document (:mod:`xattn.core.split_kv`, "Packed queries"); every index is computed on the device (no sync)."""
     b, nq = cu_seqlens_q.shape[0] - 1, max_seqlen_q
-    tq, hq, d = q.shape
-    dv = v.shape[-1]
-    cu_q = cu_seqlens_q.to(torch.int64)
-    # dense row (b, j) holds packed row cu_q[b + 1] - Nq + j: the document's queries are its last rows
-    src = (cu_q[1:, None] - nq + torch.arange(nq, device=q.device)).clamp(0, max(tq - 1, 0)).flatten()
-    q_dense = q.index_select(0, src).view(b, nq, hq, d)
-    out_d = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
-    lse_d = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    q_dense = dense_queries(q, cu_seqlens_q, nq)
+    out_d = torch.empty((b, nq, q.shape[1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse_d = torch.empty((b, q.shape[1], nq), dtype=torch.float32, device=q.device)
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     _split(plan, family, q_dense, k, v, 0, 0, scale, out_d, lse_d, lengths, cu_seqlens_k[:-1])
-    # packed row t of document doc: dense row (doc, t - cu_q[doc + 1] + Nq); rows past cu_q[-1]: 0 / -inf
-    t = torch.arange(tq, device=q.device, dtype=torch.int64)
+    packed_rows(out_d, lse_d, cu_seqlens_q, out, lse)
+
+
+def dense_queries(q: Tensor, cu_seqlens_q: Tensor, seqlen_q: int) -> Tensor:
+    """``[B, Nq, Hq, D]`` from packed q ``[Tq, Hq, D]``: document b's queries in the last rows of its Nq (the rows
+    before them repeat other queries, dropped by :func:`packed_rows`), so causal masks keep their bottom-right
+    alignment. A gather by device indices (no sync)."""
+    b, tq = cu_seqlens_q.shape[0] - 1, q.shape[0]
+    src = cu_seqlens_q.to(torch.int64)[1:, None] - seqlen_q + torch.arange(seqlen_q, device=q.device)
+    return q.index_select(0, src.clamp(0, max(tq - 1, 0)).flatten()).view(b, seqlen_q, *q.shape[1:])
+
+
+def packed_rows(out_d: Tensor, lse_d: Tensor, cu_seqlens_q: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Write ``out [Tq, Hq, Dv]`` and ``lse [Hq, Tq]`` from the dense results ``out_d [B, Nq, Hq, Dv]`` and ``lse_d
+    [B, Hq, Nq]`` of :func:`dense_queries`' layout; rows past ``cu_seqlens_q[-1]`` get 0 and -inf."""
+    b, nq, hq, dv = out_d.shape
+    cu_q = cu_seqlens_q.to(torch.int64)
+    t = torch.arange(out.shape[0], device=out.device, dtype=torch.int64)
     doc = torch.searchsorted(cu_q[1:].contiguous(), t, right=True).clamp(max=max(b - 1, 0))
-    row = doc * nq + (t - cu_q[doc + 1] + nq).clamp(0, nq - 1)
+    row = doc * nq + (t - cu_q[doc + 1] + nq).clamp(0, nq - 1)  # packed row t: dense row (doc, t - cu[doc+1] + Nq)
     kept = t < cu_q[-1]
-    out.copy_(torch.where(kept[:, None, None], out_d.view(b * nq, hq, dv).index_select(0, row), 0))
+    out.copy_(torch.where(kept[:, None, None], out_d.reshape(b * nq, hq, dv).index_select(0, row), 0))
     lse.copy_(torch.where(kept, lse_d.permute(1, 0, 2).reshape(hq, b * nq).index_select(1, row), float("-inf")))
 
 
