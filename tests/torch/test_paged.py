@@ -231,3 +231,29 @@ def test_paged_packed_decoding_takes_the_rule_and_max_seqlen_q_is_checked():
                            check_inputs=True)
     with pytest.raises(ValueError, match="max_seqlen_q: expected"):
         xt.paged_attention(q, k_pool, v_pool, table, seqused, cu_seqlens_q=cu, max_seqlen_q=1.0, family="ffpa")
+
+
+def test_paged_decode_follows_the_forward_route_request():
+    """The paged decode asks xattn.core.routes like the contiguous one: XATTN_FWD_ROUTE=fused gives one launch,
+    split-kv forced on a short cache splits, and forced with a window raises naming the window."""
+    from xattn.core import routes
+
+    g = torch.Generator().manual_seed(11)
+    k_pool, v_pool, table = _paged_cache([3000, 100], 48, 64, 1, 16, g)
+    q = torch.randn(2, 1, 8, 16, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor([3000, 100], dtype=torch.int32)
+    call = lambda **kw: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table,  # noqa
+                                                  family=kw.pop("family", "ffpa"), **kw)
+    want = call()
+    assert ("combine", "ffpa") in CALLS, CALLS  # the rule splits 3000 keys at B 2
+    CALLS.clear()
+    with routes.forced_forward("fused"):
+        torch.testing.assert_close(call(), want, atol=1e-6, rtol=1e-5)
+    assert CALLS == [("paged", "ffpa")]
+    short = table[:, :2]
+    with routes.forced_forward("split-kv"):
+        xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=torch.tensor([100, 3], dtype=torch.int32),
+                                  page_table=short, family="ffpa")
+        assert ("combine", "ffpa") in CALLS
+        with pytest.raises(ValueError, match="window"):
+            call(family="fa4", window_size=(8, 0))

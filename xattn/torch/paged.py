@@ -7,7 +7,8 @@ Pools ``k_pages/v_pages [NP, PS, Hkv, D/Dv]``, ``page_table [B, P]`` int32, ``le
   so the partials are ``[S, B, ...]`` as the combine reads them; ``kv_meta [S * B, 1 + pps]`` holds each
   entry's keys and its page-table columns, built by device arithmetic (no sync, CUDA-graph safe);
 * the **causal tail** (Nq > 1): one causal entry per sequence from the page holding key ``L - Nq``;
-* with a window, or one split: a single launch over each sequence's whole table (no combine).
+* on route ``fused`` (:func:`xattn.core.routes.forward_route`: a window, a short table, ``num_splits=1``): a single
+  launch over each sequence's whole table (no combine).
 
 Packed queries (``cu_seqlens_q``, vLLM's varlen call) with at most 16 per sequence run the same way, as the dense
 problem of ``max_seqlen_q`` queries (:func:`xattn.torch.split_kv.dense_queries`); others one launch.
@@ -20,7 +21,8 @@ import functools
 import torch
 from torch import Tensor
 
-from xattn.core import paged, routes, split_kv
+from xattn.core import paged, routes
+from xattn.core.checks import Memo
 from xattn.core.split_kv import CombineSpec
 
 from . import ops, split_kv as split_kv_torch
@@ -38,13 +40,17 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     ps, hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
     max_pages = page_table.shape[1]
     local = left is not None or right is not None
-    splits = num_splits or split_kv.decode_splits(family, b, hkv, hq // hkv, nq, max_pages * ps, num_sms(q.device))
+    problem = routes.FwdProblem(family, b, hkv, hq // hkv, nq, max_pages * ps, causal=causal, local=local,
+                                num_sms=num_sms(q.device), num_splits=num_splits)
+    route = _ROUTES.get((problem, routes.requested_forward()))
+    if route is None:
+        route = _ROUTES.put((problem, routes.requested_forward()), routes.forward_route(problem))
     kp, vp = _pools(family, k_pages, v_pages)
     table = page_table.to(torch.int32)
-    if local or splits == 1:  # one entry per sequence, its whole table: the kernel masks as asked
+    if route.name != "split-kv":  # one entry per sequence, its whole table: the kernel masks as asked
         meta = torch.cat([lengths.to(torch.int32)[:, None], table], dim=1)
         return _launch(family, q, kp, vp, meta, ps, causal, left, right, scale)
-    plan = paged.plan_paged(splits, causal, nq, max_pages)
+    plan = paged.plan_paged(route.plan.splits, causal, nq, max_pages)
     pps, s = plan.pages_per_split, plan.splits
     n = lengths.to(torch.int64)
     tail_page = (n - n.clamp(max=nq)) // ps if plan.tail else None
@@ -105,6 +111,7 @@ def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens
     return out, lse
 
 
+_ROUTES = Memo(256)  # (FwdProblem, request) -> Route: a decode loop asks once per shape
 _combine_spec = functools.lru_cache(maxsize=64)(CombineSpec)  # built once per (family, dtype, Dv), not per step
 
 
