@@ -91,3 +91,61 @@ def test_the_name_is_one_continuous_batching_accepts():
 
     assert "flash" in cb.NAME and cb.register_continuous_batching() == cb.NAME
     assert AttentionInterface._global_mapping[cb.NAME] is cb.attention_forward
+
+
+def block_table_decode(d: int, ps: int, window, device="cpu", dtype=torch.float64):
+    """HF's decode fast path as transformers' FlashAttention path calls it (one token per request, ``block_table``
+    with the layer's page views, key/value the new rows only, -1 in unused table slots) through the adapter:
+    returns ``(out [1, 3, Hq, D], [(fp64 reference [1, 1, Hq, D], appended in place)] per request, call)``."""
+    from types import SimpleNamespace
+
+    from tests.reference import attention as ref_attention
+
+    g = torch.Generator(device=device).manual_seed(d + ps)
+    mk = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
+    hq, hkv, pages, max_blocks = 4, 2, 12, 5
+    past = [37, 0, ps * 2]  # keys already cached per request
+    k_cache, v_cache = mk(pages, ps, hkv, d), mk(pages, ps, hkv, d)
+    table = torch.full((3, max_blocks), -1, dtype=torch.int32)
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(d)).tolist()
+    for i, n in enumerate(past):
+        used = n // ps + 1
+        table[i, :used] = torch.tensor(order[:used], dtype=torch.int32)
+        order = order[used:]
+    table = table.to(device)
+    cu_k = torch.tensor([0, *torch.tensor([n + 1 for n in past]).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+    query, key, value = mk(1, hq, 3, d), mk(1, hkv, 3, d), mk(1, hkv, 3, d)
+    module = SimpleNamespace(is_causal=True, layer_type="full_attention")
+    kw = {} if window is None else {"sliding_window": window}
+
+    def call(**extra):
+        return cb.attention_forward(module, query, key, value, None, block_table=table, k_cache=k_cache,
+                                    v_cache=v_cache, cu_seq_lens_k=cu_k, cu_seq_lens_q=torch.arange(4, device=device),
+                                    max_length_q=1, max_length_k=max(past) + 1, scaling=0.3, dropout=0.0,
+                                    read_index=None, write_index=None, **kw, **extra)
+
+    out, weights = call()
+    assert weights is None and out.shape == (1, 3, hq, d)
+    refs = []
+    for i, n in enumerate(past):
+        rows = k_cache[table[i, :n // ps + 1].long()].flatten(0, 1)[:n + 1]
+        vrows = v_cache[table[i, :n // ps + 1].long()].flatten(0, 1)[:n + 1]
+        appended = torch.equal(rows[n], key[0, :, i]) and torch.equal(vrows[n], value[0, :, i])
+        want, _ = ref_attention(query[:, :, i:i + 1].transpose(1, 2), rows[None], vrows[None], scale=0.3,
+                                causal=True, window=(None if window is None else window - 1, 0))
+        refs.append((want, appended))
+    return out, refs, call
+
+
+@pytest.mark.parametrize("family, d, ps, window", [("ffpa", 512, 64, None), ("fa4", 64, 16, None), ("fa4", 64, 16, 5)])
+def test_block_table_decode_appends_and_attends_over_the_pages(family, d, ps, window):
+    """The adapter on HF's decode fast path (:func:`block_table_decode`): the rows appended through the table, the
+    attention over the pages equal to fp64 on the gathered keys; softcap raises (no paged kernel has it)."""
+    out, refs, call = block_table_decode(d, ps, window)
+    assert ("paged", family) in stubs.CALLS
+    for i, (want, appended) in enumerate(refs):
+        assert appended, i
+        torch.testing.assert_close(out[:, i:i + 1], want, atol=1e-6, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        call(softcap=30.0)

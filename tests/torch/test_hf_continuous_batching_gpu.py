@@ -48,3 +48,14 @@ def test_generate_batch_on_the_kernels_vs_fp32(head_dim, graphs):
     assert not fa._FALLBACK_WARNED, fa._FALLBACK_WARNED
     err, yardstick = cpu._err(ours, cpu._teacher_forced(truth, ours)), cpu._err(sdpa, cpu._teacher_forced(truth, sdpa))
     assert err <= 1.5 * yardstick + 0.02, (err, yardstick)
+
+
+@pytest.mark.parametrize("d, ps, window", [(512, 64, None), (512, 256, None), (256, 16, 5), (128, 128, None)])
+def test_block_table_decode_on_the_kernels(d, ps, window):
+    """HF's decode fast path through the adapter on the paged kernels (bf16) against fp64 of the gathered keys."""
+    from tests.reference import rel_err
+
+    out, refs, _ = cpu.block_table_decode(d, ps, window, device="cuda", dtype=torch.bfloat16)
+    for i, (want, appended) in enumerate(refs):
+        assert appended, i
+        assert rel_err(out[:, i:i + 1], want) < 1e-2, i

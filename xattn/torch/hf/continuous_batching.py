@@ -11,7 +11,12 @@ batching hands over:
   on the varlen kernels, sliding layers with their window;
 * on layers that reuse another layer's keys (``num_kv_shared_layers``) ``cu_seq_lens_k`` / ``max_length_k`` come
   as a dict keyed by layer type: the adapter picks the layer's own;
-* the cache's bookkeeping arguments (``read_index``, ``write_index``, ``logits_indices``, ...) are HF's: dropped.
+* the cache's bookkeeping arguments (``read_index``, ``write_index``, ``logits_indices``, ...) are HF's: dropped;
+* HF's decode fast path (``block_table`` with the layer's page views ``k_cache``/``v_cache``; one token per request;
+  key/value are the new rows only, not yet in the cache): the new rows are appended through the table and the
+  queries attend over the pages (:func:`xattn.torch.attention_with_kvcache` with ``page_table``), as HF's
+  FlashAttention path does with ``flash_attn_with_kvcache``. transformers 5.25 turns that path on only for
+  FlashAttention 2/3 names and models without sliding layers, so it reaches xattn only when asked for directly.
 
 :func:`enable_continuous_batching` sets the name on a model's config directly: ``set_attn_implementation`` with a
 name containing "flash" would try to load a FlashAttention kernel from the Hub. Known limit of transformers 5.25,
@@ -21,10 +26,13 @@ whose global layers have their own (``global_head_dim``) fail there under every 
 
 from __future__ import annotations
 
-__all__ = ["NAME", "attention_forward", "register_continuous_batching", "enable_continuous_batching"]
+import torch
+
+__all__ = ["NAME", "attention_forward", "paged_decode", "register_continuous_batching", "enable_continuous_batching"]
 
 NAME = "ffpa_flash"
-_HF_ONLY = ("read_index", "write_index", "logits_indices", "logits_processor_args", "block_table")
+_HF_ONLY = ("read_index", "write_index", "logits_indices", "logits_processor_args", "block_table", "k_cache",
+            "v_cache")
 
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -35,9 +43,38 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     for name in ("cu_seq_lens_k", "max_length_k"):
         if isinstance(kwargs.get(name), dict):  # a layer reusing another's keys: its layer type's entry
             kwargs[name] = kwargs[name][module.layer_type]
+    if kwargs.get("block_table") is not None:
+        return paged_decode(module, query, key, value, **kwargs), None
     for name in _HF_ONLY:
         kwargs.pop(name, None)
     return ffpa_attention.ffpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def paged_decode(module, query, key, value, *, block_table, k_cache, v_cache, cu_seq_lens_k, scaling=None,
+                 dropout: float = 0.0, softcap=None, **kwargs):
+    """HF's decode fast path: query ``[1, Hq, n, D]`` and the new key/value ``[1, Hkv, n, D/Dv]`` of n requests (one
+    token each), the layer's page views ``k_cache/v_cache [num_pages, page_size, Hkv, D/Dv]``, ``block_table [n,
+    max_pages]`` int32 and ``cu_seq_lens_k`` counting the new token: appends the rows at each request's length and
+    returns ``out [1, n, Hq, Dv]``. Options with no paged kernel (dropout, softcap, sinks) raise."""
+    from xattn.torch import attention_with_kvcache
+
+    from .call_plan import layer_window
+
+    if dropout or softcap or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("continuous batching's block-table decode: dropout, softcap and attention sinks "
+                                  "have no paged kernel; turn the decode fast path off (max_blocks_per_request=0)")
+    n, hq, hkv = query.shape[2], query.shape[1], key.shape[1]
+    if query.shape[0] != 1 or key.shape[2] != n or block_table.shape[0] < n:
+        raise ValueError(f"block_table decode: expected query [1, Hq, n, D] with one key row per request and a table "
+                         f"of n rows, got {tuple(query.shape)} / {tuple(key.shape)} / {tuple(block_table.shape)}")
+    rows = lambda t, h: t.transpose(1, 2).reshape(n, 1, h, t.shape[-1])  # noqa: E731  [n, 1, H, D]
+    cache_seqlens = (cu_seq_lens_k[1:n + 1] - cu_seq_lens_k[:n] - 1).to(torch.int32)
+    left, right = layer_window(module, kwargs)
+    out = attention_with_kvcache(rows(query, hq), k_cache, v_cache, rows(key, hkv), rows(value, hkv),
+                                 cache_seqlens=cache_seqlens, softmax_scale=scaling, causal=True,
+                                 window_size=(-1 if left is None else left, -1 if right is None else right),
+                                 page_table=block_table[:n])
+    return out.view(1, n, hq, out.shape[-1])
 
 
 def register_continuous_batching() -> str:
