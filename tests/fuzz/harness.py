@@ -21,7 +21,8 @@ around). JAX arrays are compact: for ``jax``, ``swapped`` means the function is 
 ``[B, H, N, D]`` arrays and transposes them itself.
 
 Routes: for ``torch`` draws also ``paged`` (the same keys in shuffled pages, ``xt.paged_attention``, out and
-lse only; packed draws as vLLM's varlen call); for ``torch`` and ``jax`` every backward route that can serve the
+lse only; packed draws as vLLM's varlen call), for ``jax`` decoding draws (one query, no window) ``paged`` as
+Pallas' ``paged_attention`` call (out only); for ``torch`` and ``jax`` every backward route that can serve the
 configuration (:func:`xattn.core.routes.serving_routes` of the problem as that front end describes it: host lengths
 for torch, traced ones for JAX) runs forced, one after the other, each judged on its own (checks named
 ``dq@gemm-padded``); ``core`` and ``core-jax`` call the fused kernels directly (route ``fused``).
@@ -340,6 +341,36 @@ def run_torch_paged(cfg: Config, inp: Inputs, device) -> dict:
     return {"out": out, "lse": lse}
 
 
+def run_jax_paged(cfg: Config, inp: Inputs, device) -> tuple[dict, Config, Inputs]:
+    """The paged route of a JAX decoding draw (one query per sequence, no window: the calls Pallas' GPU
+    ``paged_attention`` serves): k/v in heads-first pools ``[Hkv, pages, page_size, D]`` of shuffled pages with spare
+    ones (random values in every row past the keys), ``xattn.jax.paged_attention`` (jitted under the option
+    ``jit``). The peer has no scale: q is pre-scaled in its dtype, so the verdict's reference is of that q at
+    scale 1. Returns ``(got, cfg, inputs)`` for the reference (out only: the peer returns no lse)."""
+    import jax
+
+    import xattn.jax as xj
+
+    ps = PAGE_SIZES[cfg.entry.family]
+    b, nk = inp.k.shape[0], inp.k.shape[1]
+    per = max(1, -(-nk // ps))
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    num_pages = b * per + 3
+    pools = [torch.randn(t.shape[2], num_pages, ps, t.shape[3], generator=gen, device=device, dtype=t.dtype)
+             for t in (inp.k, inp.v)]
+    table = torch.randperm(num_pages, generator=gen, device=device)[:b * per].view(b, per)
+    for pool, t in zip(pools, (inp.k, inp.v)):
+        rows = pool[:, table].permute(1, 2, 3, 0, 4).reshape(b, per * ps, *t.shape[2:])  # [B, per*ps, Hkv, D]
+        rows[:, :nk] = t
+        pool[:, table] = rows.view(b, per, ps, *t.shape[2:]).permute(3, 0, 1, 2, 4)
+    q = (inp.q[:, 0].double() * cfg.scale).to(inp.q.dtype)  # [B, Hq, D], the peer's pre-scaled query
+    lengths = torch.full((b,), nk, dtype=torch.int32, device=device)
+    fn = jax.jit(xj.paged_attention) if cfg.opt("jit") else xj.paged_attention
+    out = jax.block_until_ready(fn(*(_to_jax(t) for t in (q, *pools, table.to(torch.int32), lengths))))
+    got = {"out": torch.from_dlpack(out).to(device)[:, None]}
+    return got, dataclasses.replace(cfg, scale=1.0), dataclasses.replace(inp, q=q[:, None])
+
+
 # --- references and the verdict -----------------------------------------------------------------------
 
 def _grads(out, leaves, dout):
@@ -409,6 +440,9 @@ def routes_of(cfg: Config) -> list[str]:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
     if cfg.front_end == "torch" and cfg.opt("entry") != "flash_attn_func":
         names.append("paged")  # the same keys through a page table (forward only; packed: vLLM's call)
+    if cfg.front_end == "jax" and not cfg.varlen and cfg.seqlen_q == 1 and e.window == (None, None) and \
+            cfg.opt("backend", "kernel") == "kernel":
+        names.append("paged")  # Pallas' paged_attention call: one query per sequence
     return names
 
 
@@ -454,6 +488,14 @@ def evaluate(cfg: Config, device="cuda") -> list[Check]:
     dt = DTYPES[cfg.entry.dtype]
     names = routes_of(cfg)
     for route in names:
+        if route == "paged" and cfg.front_end == "jax":
+            got, ref_cfg, ref_inp = run_jax_paged(cfg, inp, device)
+            _sync(device)
+            paged64, paged_lp = references(ref_cfg, ref_inp)
+            check = compare("out", got["out"], paged64["out"], paged_lp["out"], dt)
+            check.name = "out@paged"
+            checks.append(check)
+            continue
         with _forcing(route):
             got = (run_torch_paged if route == "paged" else RUNNERS[cfg.front_end])(cfg, inp, device)
         _sync(device)

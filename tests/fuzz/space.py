@@ -142,9 +142,9 @@ def split_launchers() -> list:
 
 
 def paged_launchers() -> list:
-    """The launchers the torch fuzz's ``paged`` route runs on the pool's entries (harness.PAGE_SIZES): the entry's
+    """The launchers the fuzz's ``paged`` route runs on the pool's entries (harness.PAGE_SIZES): torch's the entry's
     own mask (one launch; packed entries: the packed-query paged launcher) and the split launches of decoding
-    (dense queries: non-causal splits, causal tail)."""
+    (dense queries: non-causal splits, causal tail); JAX's (Pallas' call) the heads-first pools' launcher."""
     import dataclasses
 
     sizes = {"ffpa": 64, "fa4": 16}
@@ -155,6 +155,7 @@ def paged_launchers() -> list:
             out += [dataclasses.replace(s, page_size=ps)]
             if not s.is_local:
                 out += [dataclasses.replace(s, varlen=False, page_size=ps, causal=c) for c in (False, True)]
+                out.append(dataclasses.replace(s, varlen=False, page_size=ps, causal=False, kv_heads_first=True))
     return list(dict.fromkeys(out))
 
 

@@ -184,6 +184,8 @@ def test_decoding_draws_force_the_split_route(drawn):
         assert {c.entry.family for c in packed} == {"ffpa", "fa4"} and \
             any(c.entry.causal and c.seqlen_q > 1 for c in packed) and any(0 in c.lens_q for c in packed) and \
             any(c.extra_q for c in packed), front_end
+    jax_paged = [c for c in drawn["jax"] if "paged" in routes_of(c)]  # Pallas' paged_attention call
+    assert {c.entry.family for c in jax_paged} == {"ffpa", "fa4"} and any(c.batch > 1 for c in jax_paged)
     jax_split = [c for c in drawn["jax"] if "split-kv" in routes_of(c)]
     assert {c.entry.family for c in jax_split} == {"ffpa", "fa4"} and any(c.seqlen_q > 1 and c.entry.causal
                                                                           for c in jax_split)

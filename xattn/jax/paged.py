@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from xattn.core import paged, split_kv
+from xattn.core import paged, routes
 from xattn.core.spec import KernelSpec, family_for, supports
 
 from . import _ffi
@@ -34,7 +34,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     (``lengths=None``: every page of its table), key j of sequence b is row ``j % page_size`` of page
     ``block_tables[b, j // page_size]`` in each head's pool. The peer's tiling arguments (``block_h``,
     ``pages_per_compute_block``, ``k_splits``, ``num_warps``, ``num_stages``, ``interpret``, ``debug``) are
-    accepted and ignored: xattn splits the keys by its own rule (``num_splits``: 0 auto, n at most n splits).
+    accepted and ignored: xattn splits the keys by its own rule (:func:`xattn.core.routes.forward_route`;
+    ``num_splits``: 0 auto, 1 one launch, n at most n splits).
     ``mask_value`` only shapes rows without keys, which xattn writes as 0. Quantized pools (``k_scales_pages``,
     ``v_scales_pages``) and ``attn_logits_soft_cap`` raise ``NotImplementedError``. Page sizes: 16-256 for
     FA4, multiples of 64 for FFPA. Table values are trusted (as the peer's)."""
@@ -62,8 +63,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     n = table.shape[1] * ps * jnp.ones((b,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     if family == "ffpa":  # the flat [Hkv, pages * page_size, D] view of each head's pool
         k_pages, v_pages = k_pages.reshape(hkv, num_pages * ps, d), v_pages.reshape(hkv, num_pages * ps, dv)
-    splits = num_splits or split_kv.decode_splits(family, b, hkv, hq // hkv, 1, max_pages * ps, num_sms())
-    plan = paged.plan_paged(splits, False, 1, max_pages)
+    problem = routes.FwdProblem(family, b, hkv, hq // hkv, 1, max_pages * ps, num_sms=num_sms(),
+                                num_splits=num_splits, traced=True)
+    route = routes.forward_route(problem)  # XATTN_FWD_ROUTE and num_splits as on contiguous caches
+    plan = paged.plan_paged(route.plan.splits if route.name == "split-kv" else 1, False, 1, max_pages)
     s, pps = plan.splits, plan.pages_per_split
     span = pps * ps
     keys = jnp.clip(n[None, :] - jnp.arange(s, dtype=jnp.int32)[:, None] * span, 0, span)  # [S, B]
