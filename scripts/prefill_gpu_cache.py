@@ -120,8 +120,13 @@ def specs(recorded=None, fuzz=False):
                 for causal in (False, True):
                     out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, causal, page_size=ps))
     out.append(KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, False, False, 1023, 0, page_size=256))
-    for family, d, g, ps in (("ffpa", 512, 4, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 256, 2, 64)):
+    for family, d, g, ps in (("ffpa", 512, 4, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 256, 2, 64),
+                             ("ffpa", 512, 8, 64)):
         out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, True, True, page_size=ps))  # prefill over pages
+    for family, d, ps in (("ffpa", 512, 64), ("ffpa", 512, 256), ("fa4", 128, 128)):  # HF CB's block-table decode
+        for causal in (False, True):  # (tests/torch/test_hf_continuous_batching_gpu.py: Hq 4 / Hkv 2)
+            out.append(KernelSpec(family, "fwd", "bfloat16", d, d, 2, causal, page_size=ps))
+    out.append(KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, False, False, 4, 0, page_size=16))
     for family, d, g, ps in (("ffpa", 512, 8, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 128, 4, 128)):
         out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, page_size=ps, kv_heads_first=True))  # JAX
     out.append(CombineSpec("ffpa", "bfloat16", 384))
