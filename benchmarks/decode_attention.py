@@ -12,6 +12,11 @@ do_bench flushes the L2 cache between runs). Impls:
 * ``xattn-sN``: ``num_splits=N`` (a sweep of the split count);
 * ``xattn-pagedPS``: ``xt.attention_with_kvcache(..., page_table=)`` on the same keys in a pool of shuffled pages
   of PS rows (rows get ``paged: true, page_size``; issue #44);
+* ``xattn-packed`` / ``xattn-packed-fused``: the same call packed (q ``[B Nq, Hq, D]``, k/v ``[B Nk, Hkv, D]``,
+  ``cu_seqlens_q/k``, ``max_seqlen_q = Nq``: vLLM's and HF continuous batching's decode step), the route's pick /
+  ``num_splits=1`` (rows get ``packed: true``);
+* ``xattn-vllmPS``: vLLM's paged decode call, ``xt.paged_attention(q packed, pools, page_table, seqused_k,
+  cu_seqlens_q=, max_seqlen_q=Nq)`` on pages of PS rows (``paged: true, packed: true``);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]`` layout with
   ``enable_gqa`` (at q_len 1 causal is no mask).
 
@@ -65,8 +70,8 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=nq > 1, enable_gqa=True)  # noqa: E731
         row.update(route="sdpa", splits=None)
-    elif impl.startswith("xattn-paged"):  # the same keys in a pool of shuffled pages (issue #44)
-        ps = int(impl.removeprefix("xattn-paged"))
+    elif impl.startswith(("xattn-paged", "xattn-vllm")):  # the same keys in a pool of shuffled pages (issue #44)
+        ps = int(impl.removeprefix("xattn-paged").removeprefix("xattn-vllm"))
         pages = b * nk // ps
         perm = torch.randperm(pages, device="cuda", generator=g)
         k_pool = torch.empty(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -75,9 +80,26 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
         v_pool[perm] = v.reshape(pages, ps, hkv, d)
         table = perm.view(b, nk // ps).to(torch.int32)
         lengths = torch.full((b,), nk, dtype=torch.int32, device="cuda")
-        fn = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, causal=True,  # noqa: E731
-                                               page_table=table)
+        if impl.startswith("xattn-vllm"):
+            cu_q = torch.arange(b + 1, device="cuda", dtype=torch.int32) * nq
+            qp = q.reshape(b * nq, hq, d)
+            fn = lambda: xt.paged_attention(qp, k_pool, v_pool, table, lengths, cu_seqlens_q=cu_q,  # noqa: E731
+                                            max_seqlen_q=nq, causal=True)
+            row.update(packed=True)
+        else:
+            fn = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,  # noqa: E731
+                                                   causal=True, page_table=table)
         row.update(route="paged", splits=None, paged=True, page_size=ps)
+    elif impl.startswith("xattn-packed"):  # vLLM's / HF continuous batching's packed decode step (#43)
+        num_splits = 1 if impl == "xattn-packed-fused" else 0
+        cu_q = torch.arange(b + 1, device="cuda", dtype=torch.int32) * nq
+        cu_k = torch.arange(b + 1, device="cuda", dtype=torch.int32) * nk
+        qp, kp, vp = q.reshape(b * nq, hq, d), k.reshape(b * nk, hkv, d), v.reshape(b * nk, hkv, d)
+        fn = lambda: xt.attention(qp, kp, vp, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,  # noqa: E731
+                                  max_seqlen_q=nq, max_seqlen_k=nk, num_splits=num_splits)
+        route = routes.forward_route(routes.FwdProblem(family, b, hkv, hq // hkv, nq, nk, causal=True, varlen=True,
+                                                       num_sms=num_sms(q.device), num_splits=num_splits), "auto")
+        row.update(route=route.name, splits=route.plan.splits if route.plan else 1, packed=True)
     else:
         fixed = {"xattn": 0, "xattn-fused": 1}
         num_splits = fixed[impl] if impl in fixed else int(impl.removeprefix("xattn-s"))
@@ -110,7 +132,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="d512,d256,d128")
     ap.add_argument("--caches", default="8192,32768,131072")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--impls", default="xattn,xattn-fused,sdpa", help="also xattn-sN: num_splits=N (a sweep)")
+    ap.add_argument("--impls", default="xattn,xattn-fused,sdpa",
+                    help="also xattn-sN, xattn-pagedPS, xattn-packed(-fused), xattn-vllmPS (module docstring)")
     ap.add_argument("--q-lens", default=None, help="queries per sequence (default: 1, and 4 for d512)")
     args = ap.parse_args()
     import torch
