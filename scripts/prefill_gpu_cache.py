@@ -154,7 +154,8 @@ def main():
     if args.list:
         print("\n".join(s.short_name() for s in todo), f"\n{len(todo)} launchers", sep="")
         return
-    cache = Path(os.environ.setdefault("XATTN_CACHE_DIR", str(ROOT / ".gpu" / "kc-cache")))
+    # outside .gpu/ (pack.sh wipes it), so a later session's prefill only compiles what changed
+    cache = Path(os.environ.setdefault("XATTN_CACHE_DIR", str(ROOT / ".prefill-cache")))
     if args.shard:
         i, n = map(int, args.shard.split("/"))
         from xattn.core import warmup
