@@ -81,3 +81,34 @@ def test_against_the_pallas_peer_and_its_arguments(launcher_calls):
     except Exception as exc:  # the Triton lowering may not interpret on this jax: the fp64 check above still holds
         pytest.skip(f"Pallas' paged_attention does not run here: {type(exc).__name__}: {str(exc)[:120]}")
     assert np.abs(np.asarray(ours, np.float64) - np.asarray(peer, np.float64)).max() < 2e-2
+
+
+def test_checked_mode_names_a_bad_table_eagerly_and_under_checkify(launcher_calls):
+    """check_inputs: a used page past the pool, a negative one, a length past the table raise PageTableError naming
+    block_tables[b, j] / lengths[b] eagerly; under jit the same rules are checkify user checks (err.get() names the
+    entry; the launch then reads an empty table); columns past a sequence's last page may hold anything (-1)."""
+    from jax.experimental import checkify
+
+    from xattn.core.paged import PageTableError
+
+    q, k_pages, v_pages, table, n = _case(7, 2, 4, 2, 128, 16, 4, [20, 33])
+    num_pages = k_pages.shape[1]
+    args = [jnp.asarray(x, jnp.float16) for x in (q, k_pages, v_pages)]
+    padded = table.copy()
+    padded[0, 2:] = -1  # sequence 0 uses columns 0-1 only
+    xj.paged_attention(*args, padded, n, check_inputs=True)  # fine
+    cases = [(lambda t: t.__setitem__((1, 2), num_pages), n, f"block_tables[1, 2] = {num_pages}"),
+             (lambda t: t.__setitem__((0, 1), -3), n, "block_tables[0, 1] = -3"),
+             (lambda t: None, np.asarray([20, 65], np.int32), "lengths[1] = 65")]
+    for edit, lengths, words in cases:
+        bad = table.copy()
+        edit(bad)
+        with pytest.raises(PageTableError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            xj.paged_attention(*args, bad, lengths, check_inputs=True)
+        checked = checkify.checkify(jax.jit(lambda q, kp, vp, t, n: xj.paged_attention(q, kp, vp, t, n,
+                                                                                      check_inputs=True)),
+                                    errors=checkify.user_checks)
+        err, out = checked(*args, bad, lengths)
+        assert words in (err.get() or ""), (words, err.get())
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+    xj.paged_attention(*args, padded, n, check_inputs=False)  # unchecked: trusted, nothing read on the host

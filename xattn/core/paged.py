@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PagedPlan", "plan_paged", "entry_bounds", "PageTableError", "page_table_problem", "MIN_PAGE_SIZE",
-           "MAX_PAGE_SIZE"]
+__all__ = ["PagedPlan", "plan_paged", "entry_bounds", "PageTableError", "page_table_problem", "length_message",
+           "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
 
 MIN_PAGE_SIZE = 16  # the issue's range: 16 (vLLM's default) to 256
 MAX_PAGE_SIZE = 256
@@ -76,19 +76,32 @@ class PageTableError(ValueError):
 
 
 def page_table_problem(table: Sequence[Sequence[int]], lengths: Sequence[int], num_pages: int,
-                       page_size: int) -> str | None:
+                       page_size: int, names: tuple[str, str] = ("page_table", "cache_seqlens")) -> str | None:
     """The first rule a page table breaks, as a message naming the argument, index and values, or None.
 
     The kernels trust the table (reading it on the host would synchronise); checked mode tests, per
     sequence b in order: ``0 <= lengths[b] <= max_pages * page_size``, then every page it uses
     (columns ``0 .. ceil(lengths[b] / page_size) - 1``) in ``0 .. num_pages - 1``. Columns past a
-    sequence's last page are never read, so any value there is fine (vLLM pads with -1 or 0)."""
+    sequence's last page are never read, so any value there is fine (vLLM pads with -1 or 0). ``names``: the
+    front end's names of the table and the lengths (JAX, as Pallas: ``block_tables``, ``lengths``)."""
     for b, (row, n) in enumerate(zip(table, lengths)):
         if not 0 <= n <= len(row) * page_size:
-            return (f"cache_seqlens[{b}] = {n}: must lie in 0-{len(row) * page_size} (page_table has "
-                    f"{len(row)} columns of {page_size}-key pages)")
+            return length_message(names, b, n, len(row), page_size)
         for j in range(-(-n // page_size)):
             if not 0 <= row[j] < num_pages:
-                return (f"page_table[{b}, {j}] = {row[j]}: must lie in 0-{num_pages - 1} (the pool holds "
-                        f"{num_pages} pages; sequence {b} uses columns 0-{-(-n // page_size) - 1})")
+                return page_message(names, b, j, row[j], num_pages, -(-n // page_size) - 1)
     return None
+
+
+def length_message(names: tuple[str, str], b, n, columns: int, page_size: int) -> str:
+    """The message of a sequence length outside the table (:func:`page_table_problem`); ``b`` and ``n`` may be
+    ``{}`` placeholders (a traced check's template)."""
+    return (f"{names[1]}[{b}] = {n}: must lie in 0-{columns * page_size} ({names[0]} has {columns} columns of "
+            f"{page_size}-key pages)")
+
+
+def page_message(names: tuple[str, str], b, j, page, num_pages: int, last_column) -> str:
+    """The message of a used page outside the pool (:func:`page_table_problem`); the values but ``num_pages`` may
+    be ``{}`` placeholders (a traced check's template: b, j, page, b, last_column)."""
+    return (f"{names[0]}[{b}, {j}] = {page}: must lie in 0-{num_pages - 1} (the pool holds {num_pages} pages; "
+            f"sequence {b} uses columns 0-{last_column})")

@@ -13,12 +13,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from xattn.core import paged, routes
+from xattn.core import varlen_check as vc
 from xattn.core.spec import KernelSpec, family_for, supports
 
 from . import _ffi
 from .split_kv import merge, num_sms
 
 __all__ = ["paged_attention"]
+
+_NAMES = ("block_tables", "lengths")  # the peer's names, in checked mode's messages
 
 _PALLAS_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -27,7 +30,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
                     block_h: int = 16, pages_per_compute_block: int = 8, k_splits: int = 16, num_warps: int = 8,
                     num_stages: int = 2, interpret: bool = False, debug: bool = False,
                     mask_value: float = _PALLAS_MASK_VALUE, attn_logits_soft_cap: float | None = None,
-                    num_splits: int = 0):
+                    num_splits: int = 0, check_inputs: bool | None = None):
     """Pallas' GPU ``paged_attention`` on xattn's kernels: q ``[B, Hq, D]`` -> out ``[B, Hq, Dv]`` (q's dtype).
 
     As the peer: no softmax scale (scale q yourself), sequence b attends to its first ``lengths[b]`` keys
@@ -38,7 +41,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     ``num_splits``: 0 auto, 1 one launch, n at most n splits).
     ``mask_value`` only shapes rows without keys, which xattn writes as 0. Quantized pools (``k_scales_pages``,
     ``v_scales_pages``) and ``attn_logits_soft_cap`` raise ``NotImplementedError``. Page sizes: 16-256 for
-    FA4, multiples of 64 for FFPA. Table values are trusted (as the peer's)."""
+    FA4, multiples of 64 for FFPA. Table values and lengths are trusted (as the peer's) unless ``check_inputs``
+    (``None``: ``XATTN_CHECK_INPUTS=1``): then a length outside the table or a used page outside the pool raises
+    :class:`xattn.core.paged.PageTableError` (a ``ValueError``) naming it, eagerly (one device-to-host copy), or,
+    under ``jit``, as a ``checkify`` user check (wrap the function in ``checkify.checkify``; a failed check
+    launches on an empty table), as :func:`xattn.jax.varlen_attention` checks its cu_seqlens."""
     del block_h, pages_per_compute_block, k_splits, num_warps, num_stages, interpret, debug, mask_value
     if k_scales_pages is not None or v_scales_pages is not None or attn_logits_soft_cap is not None:
         raise NotImplementedError("paged_attention: quantized pools (k/v_scales_pages) and attn_logits_soft_cap "
@@ -61,6 +68,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     max_pages = block_tables.shape[1]
     table = block_tables.astype(jnp.int32)
     n = table.shape[1] * ps * jnp.ones((b,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    if vc.checking(check_inputs):
+        table, n = _checked_table(table, n, num_pages, ps)
     if family == "ffpa":  # the flat [Hkv, pages * page_size, D] view of each head's pool
         k_pages, v_pages = k_pages.reshape(hkv, num_pages * ps, d), v_pages.reshape(hkv, num_pages * ps, dv)
     problem = routes.FwdProblem(family, b, hkv, hq // hkv, 1, max_pages * ps, num_sms=num_sms(),
@@ -83,3 +92,33 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     lse_p = lse.reshape(s, b, hq, 1).transpose(2, 1, 0, 3)  # [Hq, B, P, Nq]
     merged, _ = merge(out_p, lse_p, q.dtype)
     return merged.reshape(b, hq, dv)
+
+
+def _checked_table(table, n, num_pages: int, page_size: int):
+    """Checked mode (:func:`xattn.core.paged.page_table_problem`'s rules): concrete values are read once on the host
+    and a broken rule raises :class:`~xattn.core.paged.PageTableError`; traced ones become checkify user checks
+    naming the first bad sequence and page, and a failed check hands the launch an empty table (lengths 0, pages
+    0: nothing outside the pool is read). Returns the ``(table, lengths)`` to launch with."""
+    import jax
+    import numpy as np
+    from jax.experimental import checkify
+
+    if not isinstance(table, jax.core.Tracer) and not isinstance(n, jax.core.Tracer):
+        why = paged.page_table_problem(np.asarray(table).tolist(), np.asarray(n).tolist(), num_pages, page_size,
+                                       _NAMES)
+        if why:
+            raise paged.PageTableError(why)
+        return table, n
+    b, columns = table.shape
+    bad_len = (n < 0) | (n > columns * page_size)
+    used = (jnp.clip(n, 0, columns * page_size) + page_size - 1) // page_size
+    in_use = jnp.arange(columns)[None, :] < used[:, None]
+    bad_page = in_use & ((table < 0) | (table >= num_pages)) & ~bad_len[:, None]
+    first = jnp.argmax(bad_len)
+    checkify.check(~jnp.any(bad_len), paged.length_message(_NAMES, "{}", "{}", columns, page_size), first, n[first])
+    flat = jnp.argmax(bad_page.reshape(-1))
+    rb, rj = flat // columns, flat % columns
+    checkify.check(~jnp.any(bad_page), paged.page_message(_NAMES, "{}", "{}", "{}", num_pages, "{}"), rb, rj,
+                   table[rb, rj], rb, used[rb] - 1)
+    ok = ~jnp.any(bad_len) & ~jnp.any(bad_page)
+    return jnp.where(ok, table, 0), jnp.where(ok, n, 0)
