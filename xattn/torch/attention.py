@@ -74,8 +74,9 @@ def attention_with_lse(q, k, v, *, softmax_scale: float | None = None, causal: b
     ``ValueError`` naming the first bad index (:mod:`xattn.torch.varlen_check`).
 
     ``num_splits`` (FlashAttention's): 0 lets :func:`xattn.core.routes.forward_route` decide whether a
-    decoding forward (dense q with at most 16 queries per sequence, no window) splits the keys over CTAs
-    (``split-kv``: :mod:`xattn.core.split_kv`), 1 never splits, n > 1 asks for n splits (at most 127)."""
+    decoding forward (at most 16 queries per sequence: dense q, or packed with ``max_seqlen_q <= 16``; no window)
+    splits the keys over CTAs (``split-kv``: :mod:`xattn.core.split_kv`), 1 never splits, n > 1 asks for n splits
+    (at most 127)."""
     q, k, v = as_input("q", q), as_input("k", k), as_input("v", v)
     family = family or default_family(q.shape[-1] if q.dim() else 0, v.shape[-1] if v.dim() else 0)
     scale = checked_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
