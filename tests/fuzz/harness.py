@@ -304,7 +304,16 @@ def run_jax(cfg: Config, inp: Inputs, device) -> dict:
 
 
 RUNNERS = {"core": run_core, "core-jax": run_core_jax, "torch": run_torch, "jax": run_jax}
-PAGE_SIZES = {"ffpa": 64, "fa4": 16}  # the paged route's pages in the fuzz (FFPA: its 64-row tile; FA4: cp.async)
+# the paged route's page sizes, one drawn per configuration (page_size): FFPA one and four of its 64-row key tiles;
+# FA4 16 (cp.async) and 128 (its key tile at head dims 64-128 and 192x128: TMA per page; cp.async elsewhere)
+PAGE_SIZES = {"ffpa": (64, 256), "fa4": (16, 128)}
+
+
+def page_size(cfg: Config) -> int:
+    """The page size of ``cfg``'s paged route, from a side generator (the draw itself stays as it was)."""
+    import random
+
+    return random.Random(f"{cfg.seed}:page").choice(PAGE_SIZES[cfg.entry.family])
 
 
 def run_torch_paged(cfg: Config, inp: Inputs, device) -> dict:
@@ -315,7 +324,7 @@ def run_torch_paged(cfg: Config, inp: Inputs, device) -> dict:
     import xattn.torch as xt
 
     e = cfg.entry
-    ps = PAGE_SIZES[e.family]
+    ps = page_size(cfg)
     if cfg.varlen:
         cu_k = inp.cu_k.tolist()
         keys = [(inp.k[a:z], inp.v[a:z]) for a, z in zip(cu_k, cu_k[1:])]
@@ -351,7 +360,7 @@ def run_jax_paged(cfg: Config, inp: Inputs, device) -> tuple[dict, Config, Input
 
     import xattn.jax as xj
 
-    ps = PAGE_SIZES[cfg.entry.family]
+    ps = page_size(cfg)
     b, nk = inp.k.shape[0], inp.k.shape[1]
     per = max(1, -(-nk // ps))
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)

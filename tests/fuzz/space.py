@@ -147,11 +147,11 @@ def paged_launchers() -> list:
     (dense queries: non-causal splits, causal tail); JAX's (Pallas' call) the heads-first pools' launcher."""
     import dataclasses
 
-    sizes = {"ffpa": 64, "fa4": 16}
+    from .harness import PAGE_SIZES
+
     out = []
     for s in launcher_pool():
-        if s.direction == "fwd":
-            ps = sizes[s.family]
+        for ps in PAGE_SIZES[s.family] if s.direction == "fwd" else ():
             out += [dataclasses.replace(s, page_size=ps)]
             if not s.is_local:
                 out += [dataclasses.replace(s, varlen=False, page_size=ps, causal=c) for c in (False, True)]

@@ -176,6 +176,10 @@ def test_decoding_draws_force_the_split_route(drawn):
     paged = [c for c in drawn["torch"] if "paged" in routes_of(c)]
     assert {c.entry.family for c in paged} == {"ffpa", "fa4"} and any(c.batch > 1 for c in paged) and \
         any(c.entry.window != (None, None) for c in paged) and any(c.entry.causal and c.seqlen_q > 1 for c in paged)
+    from .harness import PAGE_SIZES, page_size
+
+    for family, sizes in PAGE_SIZES.items():  # both page sizes of each family (FA4's 128: its TMA path at d64-128)
+        assert {page_size(c) for c in paged if c.entry.family == family} == set(sizes), family
     packed_paged = [c for c in paged if c.varlen]  # vLLM's varlen call; decoding batches split over the pages
     assert {c.entry.family for c in packed_paged} == {"ffpa", "fa4"} and \
         any(c.seqlen_q <= 16 for c in packed_paged) and any(c.seqlen_q > 16 for c in packed_paged)
