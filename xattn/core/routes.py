@@ -393,7 +393,8 @@ def forward_table() -> list[str]:
     request = requested_forward()
     if request not in FWD_REQUESTS:
         raise ValueError(f"XATTN_FWD_ROUTE={request!r}: expected one of {FWD_REQUESTS}")
-    return [f"decoding (dense q, <= {split_kv.MAX_DECODE_QUERIES} queries per sequence, no window): split-kv with "
+    return [f"decoding (dense q, or packed with max_seqlen_q, <= {split_kv.MAX_DECODE_QUERIES} queries per sequence; "
+            f"no window; paged caches too): split-kv with "
             f"the most splits that keep one wave of CTAs (at most keys/{split_kv.MIN_KEYS_PER_SPLIT} and "
             f"{split_kv.MAX_PARTIALS - 1}) where that is 2 or more, else fused; num_splits overrides (0 auto, 1 off)",
             f"XATTN_FWD_ROUTE={request} (one of {', '.join(FWD_REQUESTS)})"]
