@@ -36,6 +36,8 @@
 #                -> $OUT/results/continuous_batching_h200.json
 #   decode-attn  benchmarks/decode_attention.py (one decoding attention call: ms, HBM share; DECODE_ATTN_ARGS)
 #                -> $OUT/results/decode_attention_h200.json
+#   paged-jax    benchmarks/paged_jax.py (xattn.jax.paged_attention vs Pallas' GPU paged_attention; PAGED_JAX_ARGS)
+#                -> $OUT/results/paged_jax_h200.json
 #   decode-profile  benchmarks/tools/decode_profile.py (host time of a decode step by module, syncs by call site;
 #                DECODE_PROFILE_IMPL, DECODE_PROFILE_MODE, DECODE_PROFILE_LABEL) -> $OUT/results/decode_profile_h200.json (continuing)
 #   host-cost    benchmarks/tools/host_cost.py (host µs per call, torch and JAX, real kernels) -> $OUT/results/
@@ -97,6 +99,8 @@ for step in "$@"; do
               --out "$OUT/results/decode_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     decode-attn) timeout "$t" python benchmarks/decode_attention.py --out "$OUT/results/decode_attention_h200.json" \
               ${DECODE_ATTN_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -60 ;;
+    paged-jax) timeout "$t" python benchmarks/paged_jax.py --out "$OUT/results/paged_jax_h200.json" \
+              ${PAGED_JAX_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -40 ;;
     decode-profile) [ -f benchmarks/results/decode_profile_h200.json ] && [ ! -f "$OUT/results/decode_profile_h200.json" ] \
               && cp benchmarks/results/decode_profile_h200.json "$OUT/results/decode_profile_h200.json"
             timeout "$t" python benchmarks/tools/decode_profile.py --mode "${DECODE_PROFILE_MODE:-eager}" --impl "${DECODE_PROFILE_IMPL:-ffpa}" \

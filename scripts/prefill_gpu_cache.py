@@ -127,8 +127,9 @@ def specs(recorded=None, fuzz=False):
         for causal in (False, True):  # (tests/torch/test_hf_continuous_batching_gpu.py: Hq 4 / Hkv 2)
             out.append(KernelSpec(family, "fwd", "bfloat16", d, d, 2, causal, page_size=ps))
     out.append(KernelSpec("fa4", "fwd", "bfloat16", 256, 256, 2, False, False, 4, 0, page_size=16))
-    for family, d, g, ps in (("ffpa", 512, 8, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 128, 4, 128)):
-        out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, page_size=ps, kv_heads_first=True))  # JAX
+    for family, d, g, ps in (("ffpa", 512, 8, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 128, 4, 128),
+                             ("fa4", 128, 4, 64), ("fa4", 128, 4, 256)):  # JAX (tests, benchmarks/paged_jax.py)
+        out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, page_size=ps, kv_heads_first=True))
     out.append(CombineSpec("ffpa", "bfloat16", 384))
     seen, unique = set(), []
     for s in out:

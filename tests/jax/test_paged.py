@@ -112,3 +112,20 @@ def test_checked_mode_names_a_bad_table_eagerly_and_under_checkify(launcher_call
         assert words in (err.get() or ""), (words, err.get())
         assert np.isfinite(np.asarray(out, np.float32)).all()
     xj.paged_attention(*args, padded, n, check_inputs=False)  # unchecked: trusted, nothing read on the host
+
+
+def test_the_jax_paged_benchmark_runs_on_the_stand_ins(launcher_calls):
+    """benchmarks/paged_jax.py end to end on the NumPy stand-ins: xattn's row is timed, and a call that cannot run
+    (Pallas' GPU kernel on a CPU) becomes an error row, not a crash."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "paged_jax.py"
+    spec = importlib.util.spec_from_file_location("paged_jax", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.measure("xattn", "fa4", 128, 8, 2, 2, 512, 64, dtype="float16")  # (the stand-in has no bf16)
+    assert row["status"] == "ok" and row["ms"] > 0 and row["hbm_fraction"] > 0, row
+    assert any(c.endswith(":paged") for c in launcher_calls)
+    if jax.default_backend() == "cpu":
+        assert bench.measure("pallas", "fa4", 128, 8, 2, 1, 256, 64, dtype="float16")["status"].startswith("error")
