@@ -59,3 +59,21 @@ def teacher_forced_logits(net, ids, tokens) -> torch.Tensor:
     with torch.no_grad():
         logits = net(input_ids=seq, use_cache=False).logits[0].float()
     return logits[ids.shape[1] - 1:-1]
+
+
+def padded_step_logits(net, ids, mask, tokens) -> torch.Tensor:
+    """Logits ``[B, T, vocab]`` fp32 of a left-padded batch (``mask`` 0 on the pads) decoded step by step with a
+    ``DynamicCache``, fed the fixed ``tokens [B, T]`` (so every model sees the same inputs): each step's last
+    position, positions counted from each row's first real token."""
+    from transformers import DynamicCache
+
+    cache, m, out = DynamicCache(config=net.config), mask, []
+    with torch.no_grad():
+        net(input_ids=ids, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
+            use_cache=True)
+        for t in tokens.T:
+            m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+            step = net(input_ids=t[:, None], attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1,
+                       past_key_values=cache, use_cache=True)
+            out.append(step.logits[:, -1].float())
+    return torch.stack(out, 1)

@@ -92,3 +92,29 @@ def test_graph_and_eager_decode_vs_fp32():
         assert err.max() <= max(STEP_TOL, 2 * noise_err.max()), (name, err.tolist(), noise_err.tolist())
         assert rel_err(logits, want) <= max(RUN_TOL, 2 * rel_err(noise, want)), (name, rel_err(logits, want))
     assert not fa._FALLBACK_WARNED, fa._FALLBACK_WARNED
+
+
+def test_left_padded_batch_decode_on_the_packed_split_route(monkeypatch):
+    """Eager decoding of a left-padded batch (1100 and 800 real tokens: packed documents of different lengths) on
+    the real kernels: the full layers' steps take the packed split-KV route by the rule, and the logits (fixed
+    tokens fed step by step) are as close to fp32 "sdpa" of the same weights as bf16 "sdpa" is."""
+    from xattn.torch import split_kv
+
+    packed = []
+    real = split_kv.packed_split_forward
+    monkeypatch.setattr(split_kv, "packed_split_forward", lambda *a, **k: packed.append(1) or real(*a, **k))
+    ids = torch.cat([decode.prompt("cuda", 1100), decode.prompt("cuda", 1101)[:, :1100]])
+    mask = torch.ones_like(ids)
+    mask[1, :300] = 0
+    tokens = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(5)).cuda()
+    net = decode.model("ffpa", "cuda")
+    got = decode.padded_step_logits(net, ids, mask, tokens)
+    assert packed, "the decode steps did not take the packed split route"
+    truth = decode.model("sdpa", "cuda", torch.float32)
+    truth.load_state_dict(net.state_dict())
+    noise_net = decode.model("sdpa", "cuda")
+    noise_net.load_state_dict(net.state_dict())
+    want = decode.padded_step_logits(truth, ids, mask, tokens)
+    noise = decode.padded_step_logits(noise_net, ids, mask, tokens)
+    assert rel_err(got, want) <= 1.5 * rel_err(noise, want) + 1e-3, (rel_err(got, want), rel_err(noise, want))
+    assert not fa._FALLBACK_WARNED, fa._FALLBACK_WARNED

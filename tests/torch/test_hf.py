@@ -215,8 +215,6 @@ def test_left_padded_batch_decodes_on_the_packed_split_route(kernels, monkeypatc
     its logits are as close to fp32 sdpa of the same weights as the fused route's. Fixed tokens fed step by step
     (DynamicCache), so both routes see the same inputs; fp16 weights on the fp64 stand-ins."""
     pytest.importorskip("transformers.models.gemma4")
-    from transformers import DynamicCache
-
     from xattn.core import routes, split_kv
     from xattn.core.checks import Memo
     from xattn.torch import ops, split_kv as torch_split_kv
@@ -229,17 +227,7 @@ def test_left_padded_batch_decodes_on_the_packed_split_route(kernels, monkeypatc
     tokens = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 
     def logits(net):
-        cache, m = DynamicCache(config=net.config), mask
-        out = []
-        with torch.no_grad():
-            step = net(input_ids=ids, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0),
-                       past_key_values=cache, use_cache=True)
-            for t in tokens.T:
-                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
-                step = net(input_ids=t[:, None], attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1,
-                           past_key_values=cache, use_cache=True)
-                out.append(step.logits[:, -1].float())
-        return torch.stack(out, 1)  # [B, 6, vocab]
+        return decode.padded_step_logits(net, ids, mask, tokens)
 
     truth = logits(decode.model("sdpa", "cpu", dtype=torch.float32))
     net = decode.model("ffpa", "cpu", dtype=torch.float16)
