@@ -42,9 +42,10 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     local = left is not None or right is not None
     problem = routes.FwdProblem(family, b, hkv, hq // hkv, nq, max_pages * ps, causal=causal, local=local,
                                 num_sms=num_sms(q.device), num_splits=num_splits)
-    route = _ROUTES.get((problem, routes.requested_forward()))
+    request = routes.requested_forward()
+    route = _ROUTES.get((problem, request))
     if route is None:
-        route = _ROUTES.put((problem, routes.requested_forward()), routes.forward_route(problem))
+        route = _ROUTES.put((problem, request), routes.forward_route(problem, request))
     kp, vp = _pools(family, k_pages, v_pages)
     table = page_table.to(torch.int32)
     if route.name != "split-kv":  # one entry per sequence, its whole table: the kernel masks as asked
