@@ -112,6 +112,9 @@ def test_checked_mode_names_a_bad_table_eagerly_and_under_checkify(launcher_call
         assert words in (err.get() or ""), (words, err.get())
         assert np.isfinite(np.asarray(out, np.float32)).all()
     xj.paged_attention(*args, padded, n, check_inputs=False)  # unchecked: trusted, nothing read on the host
+    for bad_splits in (-1, 128, 2.0, True):
+        with pytest.raises(ValueError, match="num_splits"):
+            xj.paged_attention(*args, table, n, num_splits=bad_splits)
 
 
 def test_the_jax_paged_benchmark_runs_on_the_stand_ins(launcher_calls):

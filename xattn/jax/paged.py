@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from xattn.core import paged, routes
 from xattn.core import varlen_check as vc
 from xattn.core.spec import KernelSpec, family_for, supports
+from xattn.core.split_kv import MAX_PARTIALS
 
 from . import _ffi
 from .split_kv import merge, num_sms
@@ -47,6 +48,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     under ``jit``, as a ``checkify`` user check (wrap the function in ``checkify.checkify``; a failed check
     launches on an empty table), as :func:`xattn.jax.varlen_attention` checks its cu_seqlens."""
     del block_h, pages_per_compute_block, k_splits, num_warps, num_stages, interpret, debug, mask_value
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
+        raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
     if k_scales_pages is not None or v_scales_pages is not None or attn_logits_soft_cap is not None:
         raise NotImplementedError("paged_attention: quantized pools (k/v_scales_pages) and attn_logits_soft_cap "
                                   "are not in xattn's kernels")
