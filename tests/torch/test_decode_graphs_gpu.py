@@ -14,19 +14,12 @@ pytest.importorskip("transformers")
 
 from tests.reference import rel_err  # noqa: E402
 from xattn.torch import ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf import support  # noqa: E402
 
 from . import decode  # noqa: E402
 from .test_decode_graphs import RUN_TOL, STEP_TOL  # noqa: E402  (what they rest on is measured there)
+from .hf_gpu import hf_gpu  # noqa: E402,F401  (autouse: skips without the kernels)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _gpu():
-    if not torch.cuda.is_available() or support.kernels_available() is not None:
-        pytest.skip(f"needs the sm90 kernels on a GPU: {support.kernels_available()}")
-    fa._FALLBACK_WARNED.clear()
 
 
 @pytest.mark.parametrize("prompt", [decode.PROMPT, 1100], ids=["fused", "split-kv"])

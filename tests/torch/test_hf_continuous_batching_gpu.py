@@ -9,18 +9,12 @@ import torch
 pytest.importorskip("transformers")
 
 from xattn.torch import ffpa_attention as fa  # noqa: E402
-from xattn.torch.hf import continuous_batching as cb, support  # noqa: E402
+from xattn.torch.hf import continuous_batching as cb  # noqa: E402
 
 from . import test_hf_continuous_batching as cpu  # noqa: E402
+from .hf_gpu import hf_gpu  # noqa: E402,F401  (autouse: skips without the kernels)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _gpu():
-    if not torch.cuda.is_available() or support.kernels_available() is not None:
-        pytest.skip(f"needs the sm90 kernels on a GPU: {support.kernels_available()}")
-    fa._FALLBACK_WARNED.clear()
 
 
 def _run(net, graphs: bool):
