@@ -3,6 +3,7 @@
 # Use through the kit: bash .gpu/b/stage2.sh bash scripts/gpu_run.sh STEP [STEP ...]
 #   tests        all @pytest.mark.gpu tests (core, torch, jax, cold start)
 #   tests-core   the core kernel tests only
+#   tests-list   the @pytest.mark.gpu tests of the files or node ids in GPU_TESTS (space-separated), in one process
 #   bench        core suite -> $OUT/results/core_h200.json
 #   cold         cold vs warm start -> $OUT/results/cold_start_h200.json
 #   full-PART    benchmarks/full.py --part PART (d512, small, hf, sliding, varlen, host, peak), appended to
@@ -75,6 +76,8 @@ for step in "$@"; do
   case "$step" in
     tests) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
     tests-core) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider tests/core 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests-list) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 ${GPU_TESTS:?GPU_TESTS names the tests} 2>&1 \
+              | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
     tests-*) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -30 ;;
     bench) timeout "$t" python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -30 ;;
     cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;
