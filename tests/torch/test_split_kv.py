@@ -174,3 +174,18 @@ def test_packed_decode_auto_route_and_its_gradient():
     xt.attention(q, k, v, causal=True, family="ffpa", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64,
                  max_seqlen_k=4000)
     assert ("combine", "ffpa") not in CALLS
+
+
+@pytest.mark.parametrize("b, nq, p, strided", [(1, 1, 8, False), (1, 1, 8, True), (2, 1, 8, False), (1, 4, 8, True),
+                                               (3, 2, 1, True), (3, 2, 1, False), (2, 3, 5, False)])
+def test_query_slots_repeat_q_per_split(b, nq, p, strided):
+    """``q_split`` holds q once per slot for every stride pattern; a single query is a row-stride-0 view."""
+    from xattn.torch.split_kv import _slots
+
+    base = torch.randn(b, 5, nq, 8, dtype=torch.float16)
+    q = base.permute(0, 2, 1, 3) if strided else base.reshape(b, nq, 5, 8)  # heads 5 != queries
+    got = _slots(q, p)
+    want = q.unsqueeze(1).expand(b, p, nq, 5, 8).reshape(b * p * nq, 5, 8)
+    assert torch.equal(got, want)
+    if b * nq == 1:
+        assert got.data_ptr() == q.data_ptr() and got.stride(0) == 0

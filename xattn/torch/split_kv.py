@@ -199,10 +199,10 @@ def _slots(q: Tensor, p: int) -> Tensor:
     2-byte elements at a fraction of the bandwidth)."""
     b, nq, hq, d = q.shape
     slots = q.unsqueeze(1).expand(b, p, nq, hq, d)
-    try:
-        return slots.view(b * p * nq, hq, d)
-    except RuntimeError:
-        pass
+    if p == 1:
+        return q.reshape(b * nq, hq, d)
+    if b * nq == 1:  # the one case of a view (tested here: a failed view raises, ~25 us per call)
+        return slots.view(p, hq, d)
     flat = q.reshape(b, 1, nq * hq * d)
     if flat.is_contiguous() and (flat.shape[-1] * q.element_size()) % 8 == 0 and flat.data_ptr() % 8 == 0:
         words = flat.view(torch.int64)
