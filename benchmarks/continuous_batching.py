@@ -92,12 +92,13 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 def generate(model, batch: list[list[int]], tokens: int) -> list[list[int]]:
     from transformers import GenerationConfig
-    from transformers.generation import ContinuousBatchingConfig
+
+    from xattn.torch.hf.continuous_batching import batching_config
 
     gen = GenerationConfig(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     out = model.generate_batch(batch, generation_config=gen,
-                               continuous_batching_config=ContinuousBatchingConfig(auto_switch_to_flash=False))
+                               continuous_batching_config=batching_config())
     errors = [r.error for r in out.values() if r.error is not None]
     if errors:
         raise RuntimeError(errors[0][:300])

@@ -8,8 +8,9 @@ The call is Pallas' own: q ``[B, Hq, D]`` (one query per sequence, pre-scaled), 
 D]`` of shuffled pages, ``block_tables [B, cache_len / page_size]``, ``lengths = cache_len``; bf16, fresh random
 values, jitted, timed by the wall loop of ``benchmarks/full.py`` (``time_jax``: back-to-back calls, one
 ``block_until_ready`` per round, median of 5 rounds). Pallas runs with its default tiling (``block_h=16,
-pages_per_compute_block=8, k_splits=16``): nothing is tuned on the device. ``hbm_fraction`` = bytes of K and V read
-/ time / 4.3 TB/s, as ``benchmarks/decode_attention.py``.
+pages_per_compute_block=8, k_splits=16``) where that tiling can run, else the nearest one that can
+(:func:`pallas_tiling`: a fixed rule over the shapes, nothing is tuned on the device). ``hbm_fraction`` = bytes of
+K and V read / time / 4.3 TB/s, as ``benchmarks/decode_attention.py``.
 
 Rows: ``impl, family, head_dim, hq, hkv, batch, cache_len, page_size, ms, hbm_fraction, status`` (a call that fails
 gives its error as ``status``; the run goes on).
@@ -50,8 +51,32 @@ def inputs(d: int, hq: int, hkv: int, b: int, nk: int, ps: int, seed: int = 0, d
     return q, k_pages, v_pages, tables, jnp.full((b,), nk, jnp.int32)
 
 
-def function(impl: str):
-    """The jitted call of ``impl`` (``xattn`` or ``pallas``)."""
+PALLAS_SMEM_BYTES = 232448  # shared memory per block on the H200 (what Pallas' launch reports as available)
+
+
+def pallas_tiling(head_dim: int, page_size: int, pages_per_sequence: int) -> dict | None:
+    """Keyword arguments for Pallas' GPU ``paged_attention`` that it can run, or None where none fits.
+
+    Its defaults (``pages_per_compute_block=8, k_splits=16``) need ``k_splits`` to divide the table's width and a
+    block of 2 x pages_per_compute_block x page_size x head_dim 16-bit keys and values in shared memory (at d512
+    with pages of 64 rows that is 1 MiB). This keeps the defaults where they run; otherwise the largest
+    ``k_splits`` <= 16 that divides the width and the largest ``pages_per_compute_block`` <= 8 (capped, as Pallas
+    does, at a split's pages) that divides a split's pages and fits the H200's shared memory.
+    """
+    k_splits = next(k for k in (16, 8, 4, 2, 1) if pages_per_sequence % k == 0)
+    per_split = pages_per_sequence // k_splits
+    for block in (8, 4, 2, 1):
+        block = min(block, per_split)
+        smem = 2 * block * page_size * head_dim * 2 + 2 * 16 * head_dim * 2
+        if per_split % block == 0 and smem <= PALLAS_SMEM_BYTES:
+            return dict(pages_per_compute_block=block, k_splits=k_splits)
+    return None
+
+
+def function(impl: str, tiling: dict | None = None):
+    """The jitted call of ``impl`` (``xattn`` or ``pallas``, with ``tiling`` from :func:`pallas_tiling`)."""
+    import functools
+
     import jax
 
     if impl == "xattn":
@@ -61,7 +86,7 @@ def function(impl: str):
     if impl == "pallas":
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-        return jax.jit(paged_attention)
+        return jax.jit(functools.partial(paged_attention, **(tiling or {})))
     raise ValueError(f"impl {impl!r}: expected xattn or pallas")
 
 
@@ -72,7 +97,12 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nk: int, 
     row = dict(impl=impl, family=family, head_dim=d, hq=hq, hkv=hkv, batch=b, cache_len=nk, page_size=ps)
     try:
         args = inputs(d, hq, hkv, b, nk, ps, seed=nk + b + ps, dtype=dtype)
-        ms = time_jax(function(impl), *args)
+        tiling = pallas_tiling(d, ps, nk // ps) if impl == "pallas" else None
+        if impl == "pallas":
+            if tiling is None:
+                return dict(row, status=f"not run: no Pallas tiling fits d{d} pages of {ps} in shared memory")
+            row.update(tiling)
+        ms = time_jax(function(impl, tiling), *args)
     except Exception as exc:  # a row says why, the run goes on (OOM, the peer's limits)
         return dict(row, status=f"error: {type(exc).__name__}: {str(exc)[:200]}")
     kv_bytes = 2 * b * nk * hkv * d * 2  # (16-bit keys and values)

@@ -32,6 +32,9 @@ def test_paged_attention_vs_fp64_and_pallas(num_splits, d, hq, hkv, ps, max_page
     assert np.abs(np.asarray(ours, np.float64) - want).max() < 2e-2 * scale
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-    if min(lengths) > 0 and ps >= 16:  # the peer's own limits (no empty sequence)
-        peer = paged_attention(*args, jnp.asarray(table), jnp.asarray(n))
+    from benchmarks.paged_jax import pallas_tiling
+
+    tiling = pallas_tiling(d, ps, table.shape[1])  # the peer's defaults where they run (k_splits | table width)
+    if min(lengths) > 0 and ps >= 16 and tiling:  # the peer's own limits (no empty sequence, shared memory)
+        peer = paged_attention(*args, jnp.asarray(table), jnp.asarray(n), **tiling)
         assert np.abs(np.asarray(ours, np.float64) - np.asarray(peer, np.float64)).max() < 3e-2 * scale

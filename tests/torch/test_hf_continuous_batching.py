@@ -45,10 +45,9 @@ def _model(head_dim: int, shared: int, sliding: bool = True):
 
 def _run(net):
     from transformers import GenerationConfig
-    from transformers.generation import ContinuousBatchingConfig
 
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=16, auto_switch_to_flash=False,
-                                      return_logprobs=True)  # 16 tokens a step: prefill chunks mix with decoding
+    config = cb.batching_config(page_size=16, num_blocks=64, max_batch_tokens=16,
+                                return_logprobs=True)  # 16 tokens a step: prefill chunks mix with decoding
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = net.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=config)
     assert all(r.error is None for r in out.values()), [r.error for r in out.values()]
@@ -149,3 +148,24 @@ def test_block_table_decode_appends_and_attends_over_the_pages(family, d, ps, wi
         torch.testing.assert_close(out[:, i:i + 1], want, atol=1e-6, rtol=1e-5)
     with pytest.raises(NotImplementedError, match="softcap"):
         call(softcap=30.0)
+
+
+def test_batching_config_across_transformers_versions(monkeypatch):
+    """``batching_config`` speaks both spellings: ``page_size`` (5.25 here) and ``block_size`` with no
+    ``auto_switch_to_flash`` (5.17, the H200's transformers); an unknown keyword still raises."""
+    import dataclasses
+
+    import transformers.generation as generation
+
+    now = cb.batching_config(page_size=16, num_blocks=8)
+    assert (now.page_size, now.num_blocks, now.auto_switch_to_flash) == (16, 8, False)
+
+    @dataclasses.dataclass
+    class Before:  # transformers 5.17's fields that matter here
+        block_size: int = 256
+        num_blocks: int | None = None
+
+    monkeypatch.setattr(generation, "ContinuousBatchingConfig", Before)
+    assert cb.batching_config(page_size=64, num_blocks=4) == Before(block_size=64, num_blocks=4)
+    with pytest.raises(TypeError):
+        cb.batching_config(page_size=64, auto_switch_to_flash=True)

@@ -19,10 +19,9 @@ pytestmark = pytest.mark.gpu
 
 def _run(net, graphs: bool):
     from transformers import GenerationConfig
-    from transformers.generation import ContinuousBatchingConfig
 
-    config = ContinuousBatchingConfig(page_size=256, num_blocks=32, max_batch_tokens=16, auto_switch_to_flash=False,
-                                      return_logprobs=True, use_cuda_graph=graphs)
+    config = cb.batching_config(page_size=256, num_blocks=32, max_batch_tokens=16, return_logprobs=True,
+                                use_cuda_graph=graphs)
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = net.generate_batch(cpu.PROMPTS, generation_config=gen, continuous_batching_config=config)
     assert all(r.error is None for r in out.values()), [r.error for r in out.values()]

@@ -145,5 +145,6 @@ def test_paged_packed_decoding_split_vs_fp64(family, d, hq, hkv, ps, q_lens):
             assert rel_err(out[None, a:z], ref) < 2 * rel_err(one_out[None, a:z], ref) + 2e-3, i
             finite = torch.isfinite(ref_lse[0])
             assert torch.equal(torch.isfinite(lse[:, a:z]), finite), i
-            assert (lse[:, a:z][finite].double() - ref_lse[0][finite]).abs().max() < 1e-3, i
+            if finite.any():  # (a document without keys: every lse -inf, checked above)
+                assert (lse[:, a:z][finite].double() - ref_lse[0][finite]).abs().max() < 1e-3, i
         assert torch.all(out[bounds[-1]:] == 0) and torch.all(torch.isneginf(lse[:, bounds[-1]:]))

@@ -34,8 +34,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
     q ``[B, Nq, Hq, D]``; k_cache/v_cache ``[B, Nc, Hkv, D/Dv]``; ``cache_seqlens``: an int or an int array ``[B]``
     (traced values are fine), trusted: rows past the cache are not written (``mode="drop"``) and lengths are
-    clipped to ``[0, Nc]``. ``causal``/``window_size`` as :func:`xattn.jax.flash_attention`; the route reads
-    ``XATTN_FWD_ROUTE`` (``routes.forced_forward`` in tests).
+    clipped to ``[0, Nc]``. Rows past a sequence's length may hold any finite values, not NaN or Inf (a masked
+    key's value still enters P V as 0 x value; ``jnp.zeros`` caches are safe). ``causal``/``window_size`` as
+    :func:`xattn.jax.flash_attention`; the route reads ``XATTN_FWD_ROUTE`` (``routes.forced_forward`` in tests).
     """
     b, nq, hq, d = q.shape
     nc, hkv = k_cache.shape[1], k_cache.shape[2]

@@ -41,7 +41,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
 
     ``cache_seqlens`` values are trusted (reading them would synchronise): a length past ``Nc - Nn`` writes or
     reads outside the cache. ``check_inputs=True`` (``None``: ``XATTN_CHECK_INPUTS=1``) checks them on the host
-    first and raises ``ValueError`` naming the first bad sequence.
+    first and raises ``ValueError`` naming the first bad sequence. Rows past ``cache_seqlens[b]`` may hold any
+    finite values (stale rows leave the result unchanged) but not NaN or Inf: a key tile loaded past the length is
+    masked, yet its values enter P V as 0 x value (FlashAttention-3/4 likewise, Dao-AILab/flash-attention#2374;
+    FlashAttention-2 zero-fills them). Allocate caches with ``torch.zeros``, as HF's static and paged caches do.
 
     **Paged cache** (``page_table``, FlashAttention-3's name; ``block_table``, FlashAttention-2's, is the same):
     k_cache/v_cache are pools ``[num_pages, page_size, Hkv, D/Dv]`` and ``page_table [B, max_pages]`` int32 maps

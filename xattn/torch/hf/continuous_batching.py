@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NAME", "attention_forward", "paged_decode", "register_continuous_batching", "enable_continuous_batching"]
+__all__ = ["NAME", "attention_forward", "paged_decode", "register_continuous_batching", "enable_continuous_batching",
+           "batching_config"]
 
 NAME = "ffpa_flash"
 _HF_ONLY = ("read_index", "write_index", "logits_indices", "logits_processor_args", "block_table", "k_cache",
@@ -100,3 +101,21 @@ def enable_continuous_batching(model) -> None:
         configs[id(text)] = text
     for config in configs.values():
         config._attn_implementation = NAME
+
+
+def batching_config(page_size: int | None = None, **kwargs):
+    """transformers' ``ContinuousBatchingConfig(**kwargs)`` across its versions, for a run that compares attention
+    implementations: ``page_size`` (rows per cache page) goes to the field of that name (5.17 and later) or to
+    ``block_size`` (before), and ``auto_switch_to_flash=False`` is set where the field exists (5.25), so a model
+    loaded with ``"sdpa"`` stays on sdpa instead of being moved to a FlashAttention build. Any other keyword is
+    passed as given (a name this transformers lacks raises its TypeError)."""
+    import dataclasses
+
+    from transformers.generation import ContinuousBatchingConfig
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    if page_size is not None:
+        kwargs["page_size" if "page_size" in fields else "block_size"] = page_size
+    if "auto_switch_to_flash" in fields:
+        kwargs.setdefault("auto_switch_to_flash", False)
+    return ContinuousBatchingConfig(**kwargs)
