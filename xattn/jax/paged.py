@@ -47,7 +47,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     unless ``check_inputs`` (``None``: ``XATTN_CHECK_INPUTS=1``): then a length outside the table or a used page
     outside the pool raises :class:`xattn.core.paged.PageTableError` (a ``ValueError``) naming it, eagerly (one
     device-to-host copy), or, under ``jit``, as a ``checkify`` user check (wrap the function in
-    ``checkify.checkify``; a failed check launches on an empty table), as :func:`xattn.jax.varlen_attention` checks its cu_seqlens."""
+    ``checkify.checkify``; a failed check launches on an empty table), as :func:`xattn.jax.varlen_attention`
+    checks its cu_seqlens."""
     del block_h, pages_per_compute_block, k_splits, num_warps, num_stages, interpret, debug, mask_value
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits < MAX_PARTIALS:
         raise ValueError(f"num_splits: expected an int in 0-{MAX_PARTIALS - 1} (0 auto, 1 off), got {num_splits!r}")
