@@ -53,15 +53,15 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
         return _launch(family, q, kp, vp, meta, ps, causal, left, right, scale)
     plan = paged.plan_paged(route.plan.splits, causal, nq, max_pages)
     pps, s = plan.pages_per_split, plan.splits
-    n = lengths.to(torch.int64)
+    n = lengths.to(torch.int32)
     tail_page = (n - n.clamp(max=nq)) // ps if plan.tail else None
     before = tail_page * ps if plan.tail else n
     span = pps * ps
-    keys = (before[None, :] - torch.arange(s, device=q.device)[:, None] * span).clamp(0, span)  # [S, B]
+    keys = (before[None, :] - _split_starts(s, span, q.device)).clamp_(0, span)  # [S, B] int32: 2 small kernels
     if plan.padded:
         table = torch.nn.functional.pad(table, (0, s * pps - max_pages))
     cols = table.view(b, s, pps).transpose(0, 1)  # [S, B, pps]
-    meta = torch.cat([keys.to(torch.int32)[..., None], cols], dim=2).view(s * b, 1 + pps)
+    meta = torch.cat([keys[..., None], cols], dim=2).view(s * b, 1 + pps)
     q_entries = q.unsqueeze(0).expand(s, b, nq, hq, d).reshape(s * b, nq, hq, d)
     out_p = torch.empty((plan.partials, b, nq, hq, dv), dtype=q.dtype, device=q.device)
     lse_p = torch.empty((plan.partials, b, hq, nq), dtype=torch.float32, device=q.device)
@@ -77,6 +77,18 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     ops.LAUNCH["combine"](_combine_spec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
                           lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
     return out, lse
+
+
+_STARTS = Memo(64)  # (S, span, device) -> int32 [S, 1]: split s's first key, s * span (built once, not per call)
+
+
+def _split_starts(splits: int, span: int, device: torch.device) -> Tensor:
+    key = (splits, span, device)
+    hit = _STARTS.get(key)
+    if hit is None:  # kept past this call: outside a CUDA graph's pool (split_kv.outside_graph_pools)
+        hit = _STARTS.put(key, split_kv_torch.outside_graph_pools(
+            lambda: (torch.arange(splits, device=device, dtype=torch.int32) * span)[:, None], device))
+    return hit
 
 
 def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q: Tensor, page_table: Tensor,
