@@ -175,22 +175,22 @@ def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int
     values, never read on the host) starting every ``rows`` rows or at ``starts [B]`` (packed keys): the same
     documents as :func:`xattn.core.split_kv.split_cu_seqlens`, each sequence's chunk ``plan.chunk`` or, for a
     plan without one, its own (``tail_cu_k`` None without a tail)."""
-    n = lengths.to(torch.int64)
-    base = torch.arange(n.shape[0], device=n.device, dtype=torch.int64) * rows if starts is None else \
-        starts.to(torch.int64)
+    n = lengths.to(torch.int32)  # int32 arithmetic throughout (cu_seqlens are int32): no widening copies
+    dev = n.device
+    base = _ramp(0, n.shape[0], dev) * rows if starts is None else starts.to(torch.int32)
     full = n - n.clamp(max=seqlen_q) if plan.tail else n
     per = plan.splits * split_kv.KEY_TILE
-    chunk = ((full + per - 1) // per).clamp(min=1) * split_kv.KEY_TILE if not plan.chunk else \
-        torch.full_like(full, plan.chunk)
-    bounds = torch.minimum(torch.arange(plan.splits, device=n.device)[None] * chunk[:, None], full[:, None])
+    if plan.chunk:
+        bounds = torch.minimum(_ramp(0, plan.splits, dev)[None] * plan.chunk, full[:, None])
+    else:
+        chunk = (full + per - 1).floor_divide_(per).clamp_(min=1).mul_(split_kv.KEY_TILE)
+        bounds = torch.minimum(_ramp(0, plan.splits, dev)[None] * chunk[:, None], full[:, None])
     edge = (base + full)[:, None]
-    starts = torch.cat([base[:, None] + bounds] + [edge] * (2 if plan.tail else 1), dim=1)  # [B, P + 1] doc starts
-    end = torch.full((1,), key_rows, dtype=torch.int64, device=n.device)
-    cu_k = torch.cat([starts.flatten(), end]).to(torch.int32)
+    starts = torch.cat([bounds.add_(base[:, None])] + [edge] * (2 if plan.tail else 1), dim=1)  # [B, P + 1]
+    cu_k = torch.cat([starts.flatten(), _ramp(key_rows, 1, dev)])
     if not plan.tail:
         return cu_k, None
-    zero = torch.zeros(1, dtype=torch.int64, device=n.device)
-    return cu_k, torch.cat([zero, torch.stack([base + full, base + n], dim=1).flatten()]).to(torch.int32)
+    return cu_k, torch.cat([_ramp(0, 1, dev), torch.stack([base + full, base + n], dim=1).flatten()])
 
 
 def _slots(q: Tensor, p: int) -> Tensor:
@@ -243,21 +243,37 @@ def dense_queries(q: Tensor, cu_seqlens_q: Tensor, seqlen_q: int) -> Tensor:
     before them repeat other queries, dropped by :func:`packed_rows`), so causal masks keep their bottom-right
     alignment. A gather by device indices (no sync)."""
     b, tq = cu_seqlens_q.shape[0] - 1, q.shape[0]
-    src = cu_seqlens_q.to(torch.int64)[1:, None] - seqlen_q + torch.arange(seqlen_q, device=q.device)
-    return q.index_select(0, src.clamp(0, max(tq - 1, 0)).flatten()).view(b, seqlen_q, *q.shape[1:])
+    src = (cu_seqlens_q[1:, None].to(torch.int32) + _ramp(-seqlen_q, seqlen_q, q.device)).clamp_(0, max(tq - 1, 0))
+    return q.index_select(0, src.flatten()).view(b, seqlen_q, *q.shape[1:])
+
+
+_RAMPS = Memo(256)  # (first, count, device) -> int32 [count]: first, first + 1, ... (built once, not per call)
+
+
+def _ramp(first: int, count: int, device: torch.device) -> Tensor:
+    key = (first, count, device)
+    hit = _RAMPS.get(key)
+    if hit is None:
+        hit = _RAMPS.put(key, outside_graph_pools(
+            lambda: torch.arange(first, first + count, device=device, dtype=torch.int32), device))
+    return hit
 
 
 def packed_rows(out_d: Tensor, lse_d: Tensor, cu_seqlens_q: Tensor, out: Tensor, lse: Tensor) -> None:
     """Write ``out [Tq, Hq, Dv]`` and ``lse [Hq, Tq]`` from the dense results ``out_d [B, Nq, Hq, Dv]`` and ``lse_d
     [B, Hq, Nq]`` of :func:`dense_queries`' layout; rows past ``cu_seqlens_q[-1]`` get 0 and -inf."""
     b, nq, hq, dv = out_d.shape
-    cu_q = cu_seqlens_q.to(torch.int64)
-    t = torch.arange(out.shape[0], device=out.device, dtype=torch.int64)
-    doc = torch.searchsorted(cu_q[1:].contiguous(), t, right=True).clamp(max=max(b - 1, 0))
-    row = doc * nq + (t - cu_q[doc + 1] + nq).clamp(0, nq - 1)  # packed row t: dense row (doc, t - cu[doc+1] + Nq)
-    kept = t < cu_q[-1]
-    out.copy_(torch.where(kept[:, None, None], out_d.reshape(b * nq, hq, dv).index_select(0, row), 0))
-    lse.copy_(torch.where(kept, lse_d.permute(1, 0, 2).reshape(hq, b * nq).index_select(1, row), float("-inf")))
+    tq = out.shape[0]
+    ends = cu_seqlens_q[1:].to(torch.int32)
+    t = _ramp(0, tq, out.device)
+    doc = torch.searchsorted(ends, t, right=True, out_int32=True).clamp_(max=max(b - 1, 0))
+    # packed row t: dense row (doc, t - cu[doc + 1] + Nq); rows past cu[-1] read any row, then 0 / -inf
+    row = (_ramp(nq, tq, out.device) - ends.index_select(0, doc)).clamp_(0, nq - 1).add_(doc * nq)
+    past = t >= cu_seqlens_q[-1:]
+    torch.index_select(out_d.reshape(b * nq, hq, dv), 0, row, out=out)
+    out.masked_fill_(past[:, None, None], 0)
+    torch.index_select(lse_d.permute(1, 0, 2).reshape(hq, b * nq), 1, row, out=lse)
+    lse.masked_fill_(past[None], float("-inf"))
 
 
 def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
