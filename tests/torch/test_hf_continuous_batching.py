@@ -169,3 +169,15 @@ def test_batching_config_across_transformers_versions(monkeypatch):
     assert cb.batching_config(page_size=64, num_blocks=4) == Before(block_size=64, num_blocks=4)
     with pytest.raises(TypeError):
         cb.batching_config(page_size=64, auto_switch_to_flash=True)
+
+
+def test_older_continuous_batching_contract_is_refused_by_name(monkeypatch):
+    """transformers 5.17's continuous batching (``"paged|sdpa"``-style functions that update the cache) is refused
+    with the reason before any generate call, not deep inside HF's attention-name check."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert cb.unsupported_reason() is None  # the transformers installed here (5.25)
+    keys = ALL_ATTENTION_FUNCTIONS.valid_keys()
+    monkeypatch.setattr(type(ALL_ATTENTION_FUNCTIONS), "valid_keys", lambda self: [*keys, "paged|sdpa"])
+    with pytest.raises(RuntimeError, match="update the paged cache themselves"):
+        cb.enable_continuous_batching(_model(64, 1, False))

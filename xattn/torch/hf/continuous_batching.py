@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["NAME", "attention_forward", "paged_decode", "register_continuous_batching", "enable_continuous_batching",
-           "batching_config"]
+           "batching_config", "unsupported_reason"]
 
 NAME = "ffpa_flash"
 _HF_ONLY = ("read_index", "write_index", "logits_indices", "logits_processor_args", "block_table", "k_cache",
@@ -93,7 +93,11 @@ def register_continuous_batching() -> str:
 
 def enable_continuous_batching(model) -> None:
     """Run ``model``'s attention as :data:`NAME`, so ``model.generate_batch(...)`` keeps xattn's kernels (ordinary
-    ``generate``/``forward`` calls run the same function). Sets the name on the model's (text) config."""
+    ``generate``/``forward`` calls run the same function). Sets the name on the model's (text) config.
+    RuntimeError (:func:`unsupported_reason`) on a transformers whose continuous batching has the older contract."""
+    reason = unsupported_reason()
+    if reason:
+        raise RuntimeError(reason)
     register_continuous_batching()
     configs = {id(model.config): model.config}
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
@@ -101,6 +105,21 @@ def enable_continuous_batching(model) -> None:
         configs[id(text)] = text
     for config in configs.values():
         config._attn_implementation = NAME
+
+
+def unsupported_reason() -> str | None:
+    """Why this transformers' continuous batching cannot run xattn's adapter, or None. Before the contract this
+    module serves (transformers 5.25: HF updates the paged cache and gathers each request's keys), continuous
+    batching called ``"paged|<name>"`` attention functions that update the cache themselves (transformers 5.17
+    registers ``"paged|sdpa"``, ``"paged|flash_attention_2"``, ...) and refuses any other name."""
+    import transformers
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if "paged|sdpa" in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        return (f"transformers {transformers.__version__}: its continuous batching runs 'paged|' attention functions "
+                f"that update the paged cache themselves; xattn's adapter serves the later contract (transformers "
+                f"5.25, where HF updates the cache and passes each request's keys): upgrade transformers")
+    return None
 
 
 def batching_config(page_size: int | None = None, **kwargs):
