@@ -423,6 +423,17 @@ def refusal_check(cfg: Config, run) -> Check:
     return Check("refusal", 0.0, 0.0, 1.0, problems)
 
 
+def _paged_refused(cfg: Config, causal: bool) -> str | None:
+    """Why the support matrix refuses ``cfg``'s paged kernel (its mask as ``causal`` and the entry's window, the
+    drawn page size), or None: a refused paged call raises by name, as its test asserts, so no route runs it."""
+    from xattn.core.spec import KernelSpec, supports
+
+    e = cfg.entry
+    left, right = e.window
+    return supports(KernelSpec(e.family, "fwd", e.dtype, e.head_dim, e.head_dim_v, e.g, causal, False, left, right,
+                               page_size=page_size(cfg)))
+
+
 def routes_of(cfg: Config) -> list[str]:
     """The routes ``cfg`` runs, forced one by one: every backward route that can serve it as its front end
     describes the problem (``torch``: host document lengths; ``jax``: traced ones), or the drawn option
@@ -447,10 +458,10 @@ def routes_of(cfg: Config) -> list[str]:
     names = list(routes.serving_routes(problem))
     if cfg.front_end in ("torch", "jax") and routes.why_not_forward("split-kv", _forward_problem(cfg)) is None:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
-    if cfg.front_end == "torch" and cfg.opt("entry") != "flash_attn_func":
+    if cfg.front_end == "torch" and cfg.opt("entry") != "flash_attn_func" and not _paged_refused(cfg, e.causal):
         names.append("paged")  # the same keys through a page table (forward only; packed: vLLM's call)
     if cfg.front_end == "jax" and not cfg.varlen and cfg.seqlen_q == 1 and e.window == (None, None) and \
-            cfg.opt("backend", "kernel") == "kernel":
+            cfg.opt("backend", "kernel") == "kernel" and not _paged_refused(cfg, False):
         names.append("paged")  # Pallas' paged_attention call: one query per sequence
     return names
 

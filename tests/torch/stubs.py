@@ -158,8 +158,9 @@ def _stub_paged():
 def paged_spec_any_head_dim(family, dtype, d, dv, g, causal, left, right, page_size, varlen=False):
     """The paged support check as the kernels would see the call (bf16, a head dim the family runs), with the
     call's own dtype and head dims put back (the stand-in computes in fp64 at any)."""
-    kd = 512 if family == "ffpa" else 128
-    spec = _real_paged_spec(family, "bfloat16", kd, kd, g, causal, left, right, page_size, varlen)
+    real = (d, dv) if d == dv and (d in (64, 96, 128, 192, 256) if family == "fa4" else 320 <= d <= 512) else None
+    kd, kdv = real or ((512, 512) if family == "ffpa" else (128, 128))  # a real head dim keeps its own rules
+    spec = _real_paged_spec(family, "bfloat16", kd, kdv, g, causal, left, right, page_size, varlen)
     return dataclasses.replace(spec, dtype=dtype, head_dim=d, head_dim_v=dv)
 
 

@@ -257,3 +257,29 @@ def test_paged_decode_follows_the_forward_route_request():
         assert ("combine", "ffpa") in CALLS
         with pytest.raises(ValueError, match="window"):
             call(family="fa4", window_size=(8, 0))
+
+
+def test_fa4_d96_unmasked_paged_kernel_is_refused_and_causal_decode_stays_fused():
+    """FA4's d96 paged forward without a mask (its 144-row key tile) failed the H200 fuzz: the support matrix refuses
+    it by name, so the causal decode that would split (unmasked split launches) runs one causal launch instead,
+    matching fp64; an unmasked d96 paged call raises NotImplementedError before any launch."""
+    from xattn.core.spec import KernelSpec, supports
+
+    refused = supports(KernelSpec("fa4", "fwd", "float16", 96, 96, 2, False, False, page_size=128))
+    assert refused and "head dim 96" in refused
+    for causal, window in ((True, (None, None)), (False, (64, 0))):
+        assert supports(KernelSpec("fa4", "fwd", "float16", 96, 96, 2, causal, False, *window, page_size=128)) is None
+    assert supports(KernelSpec("fa4", "fwd", "float16", 128, 128, 2, False, False, page_size=128)) is None
+
+    g = torch.Generator().manual_seed(96)
+    lengths = [1066, 1066, 900]
+    k_pool, v_pool, table = _paged_cache(lengths, 9, 128, 4, 96, g)
+    q = torch.randn(3, 3, 8, 96, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    CALLS.clear()
+    out = xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=True, family="fa4")
+    assert CALLS == [("paged", "fa4")]  # one causal launch: no split, no combine
+    want, _ = _expected(q, k_pool, v_pool, table, lengths, True, (None, None), 96 ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="head dim 96"):
+        xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=False, family="fa4")

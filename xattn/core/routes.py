@@ -169,7 +169,8 @@ class FwdProblem:
     most ``seqlen_q`` = max_seqlen_q queries and ``seqlen_k`` = max_seqlen_k keys; their lengths on the device).
     ``flat_kv``: the front end can view every sequence's keys on one row stride (k and v strides ``(sB, sN, ..)``
     with ``sB % sN == 0``, the same ``sB / sN`` for both). ``num_sms``: the GPU's.
-    ``num_splits``: the call's override (0 auto, 1 off, n > 1 that many)."""
+    ``num_splits``: the call's override (0 auto, 1 off, n > 1 that many). ``split_refused``: why the front end's
+    kernels cannot run the split launches (e.g. the support matrix refuses their paged kernel), "" when they can."""
 
     family: str
     batch: int
@@ -184,6 +185,7 @@ class FwdProblem:
     num_sms: int = 132
     num_splits: int = 0
     traced: bool = False
+    split_refused: str = ""
 
 
 def requested_forward() -> str:
@@ -221,6 +223,8 @@ def why_not_forward(name: str, p: FwdProblem) -> str | None:
         return "num_splits=1 turns it off"
     if p.seqlen_k == 0 or p.batch == 0 or p.seqlen_q == 0:
         return "no key or no query: nothing to split"
+    if p.split_refused:
+        return f"its launches: {p.split_refused}"
     return None
 
 

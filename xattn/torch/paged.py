@@ -41,7 +41,8 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     max_pages = page_table.shape[1]
     local = left is not None or right is not None
     problem = routes.FwdProblem(family, b, hkv, hq // hkv, nq, max_pages * ps, causal=causal, local=local,
-                                num_sms=num_sms(q.device), num_splits=num_splits)
+                                num_sms=num_sms(q.device), num_splits=num_splits,
+                                split_refused=_split_refusal(family, q.dtype, q.shape[-1], dv, hq // hkv, ps))
     request = routes.requested_forward()
     route = _ROUTES.get((problem, request))
     if route is None:
@@ -79,6 +80,15 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     return out, lse
 
 
+def _split_refusal(family: str, dtype: torch.dtype, d: int, dv: int, g: int, ps: int) -> str:
+    """Why the split route's launches (no mask: the keys before the causal tail) have no paged kernel here, or ""."""
+    try:
+        ops.paged_spec(family, str(dtype).removeprefix("torch."), d, dv, g, False, None, None, ps)
+    except NotImplementedError as exc:
+        return str(exc)
+    return ""
+
+
 _STARTS = Memo(64)  # (S, span, device) -> int32 [S, 1]: split s's first key, s * span (built once, not per call)
 
 
@@ -105,7 +115,8 @@ def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens
     if max_seqlen_q is not None and q.shape[0] and b:
         problem = routes.FwdProblem(family, b, hkv, hq // hkv, max_seqlen_q, page_table.shape[1] * ps, causal=causal,
                                     local=left is not None or right is not None, varlen=True,
-                                    num_sms=num_sms(q.device), num_splits=num_splits)
+                                    num_sms=num_sms(q.device), num_splits=num_splits,
+                                    split_refused=_split_refusal(family, q.dtype, q.shape[-1], dv, hq // hkv, ps))
         route = routes.forward_route(problem)
         if route.name == "split-kv":
             out_d, lse_d = paged_forward(split_kv_torch.dense_queries(q, cu_seqlens_q, max_seqlen_q), k_pages, v_pages,
