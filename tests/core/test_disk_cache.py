@@ -280,3 +280,18 @@ def test_clear_removes_only_xattn_files(tmp_path, monkeypatch):
     assert disk_cache.clear() == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(theirs)
     assert [p.name for p in (tmp_path / ".locks").iterdir()] == ["other.lock"]
+
+
+def test_paged_and_combine_keys_follow_their_own_modules(monkeypatch):
+    """A paged launcher is built by paged_sm90.py and the combine by combine_sm90.py: an edit there must change
+    their entries' names (a stale binary would load otherwise), and leave the plain kernels' names alone."""
+    from xattn.core.split_kv import CombineSpec
+
+    paged = KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=128)
+    combine = CombineSpec("fa4", "bfloat16", 128)
+    before = {s: disk_cache.entry_stem(s) for s in (SPEC, paged, combine)}
+    disk_cache._kind_fingerprint.cache_clear()
+    monkeypatch.setattr(disk_cache, "_kind_fingerprint", lambda kind: f"edited {kind} module")
+    assert disk_cache.entry_stem(paged) != before[paged]
+    assert disk_cache.entry_stem(combine) != before[combine]
+    assert disk_cache.entry_stem(SPEC) == before[SPEC]

@@ -10,7 +10,8 @@ default; ``XATTN_CACHE=0`` turns it off. One entry per compile key, three files:
   the other two.
 
 The digest in the name covers the :class:`KernelSpec` (which holds the library versions and
-the arch), the Python minor version, the machine and a fingerprint of xattn's launcher sources.
+the arch), the Python minor version, the machine and a fingerprint of xattn's launcher sources (paged and
+combine launchers: also their own module's).
 
 **What is trusted.** An entry is machine code that ``dlopen`` maps into the process, so xattn
 loads only files that you (the effective user) or root could have written:
@@ -120,9 +121,28 @@ def _source_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+# Launchers built by a module of their own: its source joins their key (a GemmSpec carries its sources' digest).
+_KIND_SOURCES = {"paged": ("paged_sm90.py",), "CombineSpec": ("combine_sm90.py", "split_kv.py")}
+
+
+@functools.cache
+def _kind_fingerprint(kind: str) -> str:
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256(b"".join((here / n).read_bytes() for n in _KIND_SOURCES[kind])).hexdigest()[:16]
+
+
+def _spec_kind(spec) -> str | None:
+    if getattr(spec, "page_size", None) is not None:
+        return "paged"
+    return type(spec).__name__ if type(spec).__name__ in _KIND_SOURCES else None
+
+
 def entry_stem(spec: KernelSpec) -> str:
-    """File name stem of ``spec``'s entry: readable name + digest of everything that changes the binary."""
-    ident = repr((spec, sys.version_info[:2], platform.machine(), _source_fingerprint()))
+    """File name stem of ``spec``'s entry: readable name + digest of everything that changes the binary (the
+    launcher sources; for paged and combine launchers also their own module's)."""
+    kind = _spec_kind(spec)
+    ident = (spec, sys.version_info[:2], platform.machine(), _source_fingerprint())
+    ident = repr(ident + ((kind, _kind_fingerprint(kind)),) if kind else ident)
     return f"{spec.short_name()}-{hashlib.sha256(ident.encode()).hexdigest()[:20]}"
 
 
