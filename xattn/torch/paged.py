@@ -80,13 +80,21 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     return out, lse
 
 
+_REFUSALS = Memo(256)  # (paged_spec, sizes) -> str: a refusal is worked out once, not raised on every step
+
+
 def _split_refusal(family: str, dtype: torch.dtype, d: int, dv: int, g: int, ps: int) -> str:
     """Why the split route's launches (no mask: the keys before the causal tail) have no paged kernel here, or ""."""
-    try:
-        ops.paged_spec(family, str(dtype).removeprefix("torch."), d, dv, g, False, None, None, ps)
-    except NotImplementedError as exc:
-        return str(exc)
-    return ""
+    key = (ops.paged_spec, family, dtype, d, dv, g, ps)
+    hit = _REFUSALS.get(key)
+    if hit is None:
+        try:
+            ops.paged_spec(family, str(dtype).removeprefix("torch."), d, dv, g, False, None, None, ps)
+            hit = ""
+        except NotImplementedError as exc:
+            hit = str(exc)
+        _REFUSALS.put(key, hit)
+    return hit
 
 
 _STARTS = Memo(64)  # (S, span, device) -> int32 [S, 1]: split s's first key, s * span (built once, not per call)
