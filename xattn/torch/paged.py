@@ -58,7 +58,7 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     tail_page = (n - n.clamp(max=nq)) // ps if plan.tail else None
     before = tail_page * ps if plan.tail else n
     span = pps * ps
-    keys = (before[None, :] - _split_starts(s, span, q.device)).clamp_(0, span)  # [S, B] int32: 2 small kernels
+    keys = (before[None, :] - split_kv_torch.ramp(0, s, q.device, span)[:, None]).clamp_(0, span)  # [S, B] int32
     if plan.padded:
         table = torch.nn.functional.pad(table, (0, s * pps - max_pages))
     cols = table.view(b, s, pps).transpose(0, 1)  # [S, B, pps]
@@ -94,18 +94,6 @@ def _split_refusal(family: str, dtype: torch.dtype, d: int, dv: int, g: int, ps:
         except NotImplementedError as exc:
             hit = str(exc)
         _REFUSALS.put(key, hit)
-    return hit
-
-
-_STARTS = Memo(64)  # (S, span, device) -> int32 [S, 1]: split s's first key, s * span (built once, not per call)
-
-
-def _split_starts(splits: int, span: int, device: torch.device) -> Tensor:
-    key = (splits, span, device)
-    hit = _STARTS.get(key)
-    if hit is None:  # kept past this call: outside a CUDA graph's pool (split_kv.outside_graph_pools)
-        hit = _STARTS.put(key, split_kv_torch.outside_graph_pools(
-            lambda: (torch.arange(splits, device=device, dtype=torch.int32) * span)[:, None], device))
     return hit
 
 

@@ -23,7 +23,7 @@ from xattn.core.split_kv import CombineSpec, SplitPlan
 from . import ops
 
 __all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "dense_queries", "packed_rows",
-           "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k", "outside_graph_pools"]
+           "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k", "outside_graph_pools", "ramp"]
 
 _SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
@@ -177,20 +177,20 @@ def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int
     plan without one, its own (``tail_cu_k`` None without a tail)."""
     n = lengths.to(torch.int32)  # int32 arithmetic throughout (cu_seqlens are int32): no widening copies
     dev = n.device
-    base = _ramp(0, n.shape[0], dev) * rows if starts is None else starts.to(torch.int32)
+    base = ramp(0, n.shape[0], dev, rows) if starts is None else starts.to(torch.int32)
     full = n - n.clamp(max=seqlen_q) if plan.tail else n
     per = plan.splits * split_kv.KEY_TILE
     if plan.chunk:
-        bounds = torch.minimum(_ramp(0, plan.splits, dev)[None] * plan.chunk, full[:, None])
+        bounds = torch.minimum(ramp(0, plan.splits, dev, plan.chunk)[None], full[:, None])
     else:
         chunk = (full + per - 1).floor_divide_(per).clamp_(min=1).mul_(split_kv.KEY_TILE)
-        bounds = torch.minimum(_ramp(0, plan.splits, dev)[None] * chunk[:, None], full[:, None])
+        bounds = torch.minimum(ramp(0, plan.splits, dev)[None] * chunk[:, None], full[:, None])
     edge = (base + full)[:, None]
     starts = torch.cat([bounds.add_(base[:, None])] + [edge] * (2 if plan.tail else 1), dim=1)  # [B, P + 1]
-    cu_k = torch.cat([starts.flatten(), _ramp(key_rows, 1, dev)])
+    cu_k = torch.cat([starts.flatten(), ramp(key_rows, 1, dev)])
     if not plan.tail:
         return cu_k, None
-    return cu_k, torch.cat([_ramp(0, 1, dev), torch.stack([base + full, base + n], dim=1).flatten()])
+    return cu_k, torch.cat([ramp(0, 1, dev), torch.stack([base + full, base + n], dim=1).flatten()])
 
 
 def _slots(q: Tensor, p: int) -> Tensor:
@@ -243,19 +243,21 @@ def dense_queries(q: Tensor, cu_seqlens_q: Tensor, seqlen_q: int) -> Tensor:
     before them repeat other queries, dropped by :func:`packed_rows`), so causal masks keep their bottom-right
     alignment. A gather by device indices (no sync)."""
     b, tq = cu_seqlens_q.shape[0] - 1, q.shape[0]
-    src = (cu_seqlens_q[1:, None].to(torch.int32) + _ramp(-seqlen_q, seqlen_q, q.device)).clamp_(0, max(tq - 1, 0))
+    src = (cu_seqlens_q[1:, None].to(torch.int32) + ramp(-seqlen_q, seqlen_q, q.device)).clamp_(0, max(tq - 1, 0))
     return q.index_select(0, src.flatten()).view(b, seqlen_q, *q.shape[1:])
 
 
-_RAMPS = Memo(256)  # (first, count, device) -> int32 [count]: first, first + 1, ... (built once, not per call)
+_RAMPS = Memo(256)  # (first, count, step, device) -> the ramp (built once, not per call)
 
 
-def _ramp(first: int, count: int, device: torch.device) -> Tensor:
-    key = (first, count, device)
+def ramp(first: int, count: int, device: torch.device, step: int = 1) -> Tensor:
+    """int32 ``[count]`` on ``device``: first, first + step, ...; one shared read-only tensor per arguments, built
+    outside any CUDA graph's pool (:func:`outside_graph_pools`), so decode steps launch no ``arange``."""
+    key = (first, count, step, device)
     hit = _RAMPS.get(key)
     if hit is None:
         hit = _RAMPS.put(key, outside_graph_pools(
-            lambda: torch.arange(first, first + count, device=device, dtype=torch.int32), device))
+            lambda: torch.arange(count, device=device, dtype=torch.int32) * step + first, device))
     return hit
 
 
@@ -265,10 +267,10 @@ def packed_rows(out_d: Tensor, lse_d: Tensor, cu_seqlens_q: Tensor, out: Tensor,
     b, nq, hq, dv = out_d.shape
     tq = out.shape[0]
     ends = cu_seqlens_q[1:].to(torch.int32)
-    t = _ramp(0, tq, out.device)
+    t = ramp(0, tq, out.device)
     doc = torch.searchsorted(ends, t, right=True, out_int32=True).clamp_(max=max(b - 1, 0))
     # packed row t: dense row (doc, t - cu[doc + 1] + Nq); rows past cu[-1] read any row, then 0 / -inf
-    row = (_ramp(nq, tq, out.device) - ends.index_select(0, doc)).clamp_(0, nq - 1).add_(doc * nq)
+    row = (ramp(nq, tq, out.device) - ends.index_select(0, doc)).clamp_(0, nq - 1).add_(doc * nq)
     past = t >= cu_seqlens_q[-1:]
     torch.index_select(out_d.reshape(b * nq, hq, dv), 0, row, out=out)
     out.masked_fill_(past[:, None, None], 0)
