@@ -132,3 +132,17 @@ def test_the_jax_paged_benchmark_runs_on_the_stand_ins(launcher_calls):
     assert any(c.endswith(":paged") for c in launcher_calls)
     if jax.default_backend() == "cpu":
         assert bench.measure("pallas", "fa4", 128, 8, 2, 1, 256, 64, dtype="float16")["status"].startswith("error")
+
+
+def test_pallas_tiling_keeps_the_defaults_where_they_run_and_fits_otherwise():
+    """The peer's tiling rule (benchmarks/paged_jax.py): Pallas' defaults where they run, else a k_splits that
+    divides the table and a block that fits shared memory, None where nothing fits (d512 pages of 256)."""
+    from benchmarks.paged_jax import PALLAS_SMEM_BYTES, pallas_tiling
+
+    assert pallas_tiling(64, 16, 128) == dict(pages_per_compute_block=8, k_splits=16)  # the defaults fit
+    assert pallas_tiling(512, 256, 128) is None
+    for d, ps, width in [(512, 64, 150), (128, 16, 700), (128, 64, 128), (96, 16, 40), (256, 128, 33)]:
+        t = pallas_tiling(d, ps, width)
+        per_split = width // t["k_splits"]
+        assert width % t["k_splits"] == 0 and per_split % t["pages_per_compute_block"] == 0, (d, ps, width, t)
+        assert 4 * t["pages_per_compute_block"] * ps * d <= PALLAS_SMEM_BYTES, (d, ps, width, t)
