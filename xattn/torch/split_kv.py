@@ -247,18 +247,20 @@ def dense_queries(q: Tensor, cu_seqlens_q: Tensor, seqlen_q: int) -> Tensor:
     return q.index_select(0, src.flatten()).view(b, seqlen_q, *q.shape[1:])
 
 
-_RAMPS = Memo(256)  # (first, count, step, device) -> the ramp (built once, not per call)
+_RAMPS = Memo(256)  # (first, capacity, step, device) -> the ramp (built once, not per call)
 
 
 def ramp(first: int, count: int, device: torch.device, step: int = 1) -> Tensor:
-    """int32 ``[count]`` on ``device``: first, first + step, ...; one shared read-only tensor per arguments, built
-    outside any CUDA graph's pool (:func:`outside_graph_pools`), so decode steps launch no ``arange``."""
-    key = (first, count, step, device)
+    """int32 ``[count]`` on ``device``: first, first + step, ...; a read-only view of a shared ramp whose length is
+    ``count`` rounded up to a power of two (a serving loop's varying token counts reuse a few), built outside any
+    CUDA graph's pool (:func:`outside_graph_pools`), so decode steps launch no ``arange``."""
+    capacity = 1 << max(count - 1, 0).bit_length()
+    key = (first, capacity, step, device)
     hit = _RAMPS.get(key)
     if hit is None:
         hit = _RAMPS.put(key, outside_graph_pools(
-            lambda: torch.arange(count, device=device, dtype=torch.int32) * step + first, device))
-    return hit
+            lambda: torch.arange(capacity, device=device, dtype=torch.int32) * step + first, device))
+    return hit[:count]
 
 
 def packed_rows(out_d: Tensor, lse_d: Tensor, cu_seqlens_q: Tensor, out: Tensor, lse: Tensor) -> None:
