@@ -131,6 +131,8 @@ def specs(recorded=None, fuzz=False):
                              ("fa4", 128, 4, 64), ("fa4", 128, 4, 256)):  # JAX (tests, benchmarks/paged_jax.py)
         out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, page_size=ps, kv_heads_first=True))
     out.append(CombineSpec("ffpa", "bfloat16", 384))
+    from xattn.core.paged import PagedMetaSpec
+    out += [PagedMetaSpec(family, tail) for family in ("ffpa", "fa4") for tail in (False, True)]  # the paged splits
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

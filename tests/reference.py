@@ -97,3 +97,11 @@ def attention_bwd(dout, q, k, v, out, lse, *, scale: float, causal: bool = False
     b, m, hkv = k.shape[:3]
     # explicit sizes, not -1: a reshape of 0 elements (B, Nk or Nq = 0) cannot infer one
     return dq, dkk.reshape(b, m, hkv, g, q.shape[-1]).sum(3), dvv.reshape(b, m, hkv, g, v.shape[-1]).sum(3)
+
+
+def poison_allocator():
+    """Leave NaN in freed blocks of torch's CUDA caching allocator (large and small pools), so a partial row that no
+    kernel writes reads NaN rather than a lucky 0 (GPU tests)."""
+    blocks = [torch.full((2 ** 26,), float("nan"), device="cuda")]
+    blocks += [torch.full((2 ** 16,), float("nan"), device="cuda") for _ in range(64)]
+    del blocks

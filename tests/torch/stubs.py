@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from tests.reference import attention as ref_attention, attention_bwd as ref_bwd, varlen_attention as ref_varlen
+from xattn.core import paged
 from xattn.core.checks import Memo, Meta, buffer_shapes, validate
 from xattn.torch import ops
 
@@ -41,6 +42,21 @@ def _mask(spec):
     return spec.causal, (spec.window_left, spec.window_right)
 
 
+def _skipped_rows_as_left(o, out, skipped, varlen):
+    """``o`` with the rows that see no key (``skipped``, lse layout) as a skipping kernel leaves them in ``out``:
+    0 where the caller pre-filled 0, else NaN (garbage on the GPU: only a combine, which skips lse -inf, may read
+    such a partial)."""
+    o = o.clone()
+    rows = (lambda t: t[skipped.T]) if varlen else (lambda t: t.movedim(-1, 0)[:, skipped.movedim(-2, -1)].T)
+    left = rows(out)  # [n, Dv]
+    value = torch.where(left.ne(0).any(-1, keepdim=True), float("nan"), 0.0).to(o.dtype).expand_as(left)
+    if varlen:
+        o[skipped.T] = value
+    else:
+        o.movedim(-1, 0)[:, skipped.movedim(-2, -1)] = value.T
+    return o
+
+
 def _stub_fwd():
     def run(plan, q, k, v, out, lse, *, softmax_scale, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
             max_seqlen_k=None, stream=None):
@@ -51,12 +67,12 @@ def _stub_fwd():
         else:
             o, l_ = ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=causal,
                                 window=window_size)
-        if spec.output_fill():  # the kernels skip rows that see no key: the op must have pre-filled those
-            skipped = torch.isneginf(l_)  # [.., Hq, N] (lse layout)
-            seen = {"out": out.movedim(-1, 0)[:, skipped.movedim(-2, -1)] if not spec.varlen else
-                    out[skipped.transpose(0, 1)], "lse": lse[skipped]}
-            for name, value in spec.output_fill().items():
-                assert torch.all(seen[name] == value), f"{name}: rows that see no key were not pre-filled"
+        skipped = torch.isneginf(l_)  # [.., Hq, N] (lse layout)
+        if spec.output_fill():  # the kernels skip rows that see no key: the op must have pre-filled their lse
+            assert torch.all(lse[skipped] == float("-inf")), "lse: rows that see no key were not pre-filled"
+            # their out is left as it was; a row not pre-filled to 0 reads NaN here (garbage on the GPU), which
+            # only a split partial may hold (the combine skips rows of lse -inf)
+            o = _skipped_rows_as_left(o, out, skipped, spec.varlen)
         if cu_seqlens_q is None:
             out.copy_(o)
             lse.copy_(l_)
@@ -114,7 +130,9 @@ def _stub_combine():
         lse_p = lse_partial.double()  # [P, B, Nq, Hq]
         total = torch.logsumexp(lse_p, dim=0)
         weight = torch.where(torch.isneginf(total), 0.0, torch.exp(lse_p - total)).nan_to_num(0.0)
-        out.copy_((weight[..., None] * out_partial.double()).sum(0))
+        # as the kernel: a partial of weight 0 (lse -inf) is never read (a skipped split's out may hold anything)
+        terms = torch.where(weight[..., None] > 0, weight[..., None] * out_partial.double(), 0.0)
+        out.copy_(terms.sum(0))
         lse.copy_(total)
         CALLS.append(("combine", spec.family))
     return run
@@ -140,10 +158,12 @@ def _stub_paged():
             n, pages = row[0], row[1:1 + -(-row[0] // ps)]
             assert 0 <= n <= (len(row) - 1) * ps and all(0 <= p < k4.shape[0] for p in pages), (b, row)
             q_b, out_b, lse_b = views[b]
-            if n == 0:  # no key: FFPA leaves the row as pre-filled, FA4 writes 0 / -inf
+            if n == 0:  # no key: FFPA leaves the row as pre-filled (out not 0: NaN here), FA4 writes 0 / -inf
                 if spec.output_fill():
-                    assert torch.all(out_b == 0) and torch.all(torch.isneginf(lse_b)), "not pre-filled"
-                out_b.zero_()
+                    assert torch.all(torch.isneginf(lse_b)), "lse not pre-filled"
+                    out_b.copy_(torch.where(out_b.ne(0).any(), float("nan"), 0.0))
+                else:
+                    out_b.zero_()
                 lse_b.fill_(float("-inf"))
                 continue
             k = k4[pages].reshape(-1, *k4.shape[-2:])[:n]
@@ -152,6 +172,28 @@ def _stub_paged():
             out_b.copy_(o)
             lse_b.copy_(l_)
         CALLS.append(("paged", spec.family))
+    return run
+
+
+def _stub_paged_meta():
+    def run(spec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size, seqlen_q, stream=None):
+        """The index kernel's contract (xattn.core.api.launch_paged_meta) from the core's host rule
+        (xattn.core.paged.entry_bounds): entry s * B + b, its keys then its table columns (0 past the table)."""
+        b, columns = page_table.shape
+        s, pps = kv_meta.shape[0] // b, kv_meta.shape[1] - 1
+        plan = paged.PagedPlan(s, pps, spec.tail, s * pps != columns)
+        table = page_table.tolist()
+        for i, n in enumerate(lengths.tolist()):
+            bounds = paged.entry_bounds(plan, n, seqlen_q, page_size)
+            row = table[i] + [0] * (s * pps + tail_meta.shape[1] - columns)
+            for j, (first, keys) in enumerate(bounds[:s]):
+                kv_meta[j * b + i] = torch.tensor([keys] + row[first:first + pps])
+            if spec.tail:
+                first, keys = bounds[s]
+                cols = [table[i][min(first + c, columns - 1)] for c in range(tail_meta.shape[1] - 1)]
+                tail_meta[i] = torch.tensor([keys] + cols)
+        lse_fill.fill_(float("-inf"))
+        CALLS.append(("paged_meta", spec.family))
     return run
 
 
@@ -166,7 +208,8 @@ def paged_spec_any_head_dim(family, dtype, d, dv, g, causal, left, right, page_s
 
 _real_paged_spec = ops.paged_spec
 _REPLACED = {
-    "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd(), "combine": _stub_combine(), "paged": _stub_paged()},
+    "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd(), "combine": _stub_combine(), "paged": _stub_paged(),
+               "paged_meta": _stub_paged_meta()},
     "validate": lambda: validate_any_head_dim,
     "paged_spec": lambda: paged_spec_any_head_dim,
     "check_buffers": lambda: check_shapes_only,

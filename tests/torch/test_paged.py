@@ -283,3 +283,58 @@ def test_fa4_d96_unmasked_paged_kernel_is_refused_and_causal_decode_stays_fused(
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
     with pytest.raises(NotImplementedError, match="head dim 96"):
         xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=False, family="fa4")
+
+
+@pytest.mark.parametrize("family, nq, b", [("ffpa", 1, 1), ("ffpa", 4, 1), ("fa4", 1, 1), ("ffpa", 1, 3)])
+def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(family, nq, b, monkeypatch):
+    """A decode step on the paged split route (lengths and table already int32 on the device) launches the index
+    kernel, the split (and causal tail) launches and the combine, and no framework kernel but the queries' one
+    broadcast copy at B > 1 (the index arithmetic, table copies and fills of the torch version were 4-14 kernels,
+    each a launch on the decode step's critical path)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xattn.core import routes
+    from xattn.torch import ops
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+            self.inside = 0  # ops of a stand-in launch are the kernel's, not the step's
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.inside and (torch.Tag.pointwise in func.tags or func.__name__.split(".")[0] in _COMPUTING):
+                self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    seen = Kernels()
+
+    def quiet(launch):
+        def run(*args, **kwargs):
+            seen.inside += 1
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                seen.inside -= 1
+        return run
+    monkeypatch.setattr(ops, "LAUNCH", {name: quiet(fn) for name, fn in ops.LAUNCH.items()})
+
+    g = torch.Generator().manual_seed(5)
+    k_pool, v_pool, table = _paged_cache([3000] * b, 48, 64, 2, 8, g)
+    q = torch.randn(b, nq, 8, 8, generator=g, dtype=torch.float64)
+    seqlens = torch.full((b,), 3000, dtype=torch.int32)
+    with routes.forced_forward("split-kv"):
+        step = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,  # noqa: E731
+                                                 page_table=table, causal=True, family=family)
+        step()
+        CALLS.clear()
+        with seen:
+            step()
+    assert seen.ops == ([] if b == 1 else ["clone"]), seen.ops
+    launches = [c[0] for c in CALLS]
+    assert launches == ["paged_meta"] + ["paged"] * (1 + (nq > 1)) + ["combine"], launches
+
+
+_COMPUTING = {"cat", "clone", "copy_", "fill_", "zero_", "gather", "index_select", "clamp", "clamp_", "arange",
+              "floor_divide", "sub", "add", "mul", "where", "pad", "constant_pad_nd", "_to_copy"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import xattn.torch as xt
-from tests.reference import attention as ref_attention, rel_err
+from tests.reference import attention as ref_attention, poison_allocator, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +36,7 @@ def _contiguous(pool, table):
     pytest.param("fa4", 256, 32, 16, 1, 256, 20, [5000, 900], False, (1023, 0), id="fa4-d256-window-ps256"),
 ])
 def test_paged_vs_fp64(num_splits, family, d, hq, hkv, nq, ps, max_pages, lengths, causal, window):
+    poison_allocator()
     g = torch.Generator(device="cuda").manual_seed(ps + max_pages + nq)
     k_pool, v_pool, table = _pool(lengths, max_pages, ps, hkv, d, g)
     q = torch.randn(len(lengths), nq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -122,6 +123,7 @@ def test_paged_packed_decoding_split_vs_fp64(family, d, hq, hkv, ps, q_lens):
     forced, against fp64 and the single launch (max_seqlen_q not given)."""
     from xattn.core import routes
 
+    poison_allocator()
     g = torch.Generator(device="cuda").manual_seed(ps + d + sum(q_lens))
     lengths = [9000, 2, 0, 4097]
     max_pages = -(-max(lengths) // ps) + 2
@@ -148,3 +150,39 @@ def test_paged_packed_decoding_split_vs_fp64(family, d, hq, hkv, ps, q_lens):
             if finite.any():  # (a document without keys: every lse -inf, checked above)
                 assert (lse[:, a:z][finite].double() - ref_lse[0][finite]).abs().max() < 1e-3, i
         assert torch.all(out[bounds[-1]:] == 0) and torch.all(torch.isneginf(lse[:, bounds[-1]:]))
+
+
+@pytest.mark.parametrize("family, tail", [("ffpa", False), ("ffpa", True), ("fa4", False), ("fa4", True)])
+def test_index_kernel_matches_the_host_rule(family, tail):
+    """The split route's index kernel (xattn.core.paged_meta_sm90) against the core's host rule (the CPU stand-in,
+    xattn.core.paged.entry_bounds): every entry's keys and table columns, the tail's, and the lse fill, for empty,
+    1-key, partial-page and full sequences, padded splits (S * pps past the table), page sizes 16-256, Nq 1-16,
+    and a table that is a strided view (no copy)."""
+    from tests.torch.stubs import _stub_paged_meta
+    from xattn.core import paged
+    from xattn.torch import ops
+
+    g = torch.Generator(device="cuda").manual_seed(11 + tail)
+    host = _stub_paged_meta()
+    for ps, nq, columns, splits in ((16, 1, 70, 9), (64, 4, 33, 5), (256, 16, 7, 3), (64, 3, 40, 40), (128, 2, 1, 1)):
+        if not tail and nq > 1:
+            nq = 1
+        lengths = [0, 1, ps - 1, ps, columns * ps, columns * ps - 5, min(nq, columns * ps), columns * ps // 2 + 3]
+        wide = torch.randint(-1, 10 ** 6, (len(lengths), 2 * columns + 3), device="cuda", generator=g,
+                             dtype=torch.int32)
+        table = wide[:, 3::2]  # strided columns and rows
+        plan = paged.plan_paged(splits, tail, nq if tail else 1, columns)
+        lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        want = [torch.full((plan.splits * len(lengths), 1 + plan.pages_per_split), -7, dtype=torch.int32),
+                torch.full((len(lengths), 1 + paged.tail_pages(ps, nq)), -7, dtype=torch.int32),
+                torch.zeros(plan.partials * len(lengths) * 8 * nq)]
+        got = [w.clone().cuda() for w in want]
+        spec = paged.PagedMetaSpec(family, plan.tail)
+        tail_got = got[1] if plan.tail else got[0]
+        ops.LAUNCH["paged_meta"](spec, lens, table, got[0], tail_got, got[2], page_size=ps, seqlen_q=nq)
+        host(spec, lens.cpu(), table.cpu(), want[0], want[1] if plan.tail else want[0], want[2], page_size=ps,
+             seqlen_q=nq)
+        assert torch.equal(got[0].cpu(), want[0]), (ps, nq, columns, splits)
+        if plan.tail:
+            assert torch.equal(got[1].cpu(), want[1]), (ps, nq, columns, splits)
+        assert torch.isneginf(got[2]).all()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import xattn.torch as xt
-from tests.reference import attention as ref_attention, rel_err
+from tests.reference import attention as ref_attention, poison_allocator, rel_err
 from xattn.core import routes
 
 pytestmark = pytest.mark.gpu
@@ -18,14 +18,6 @@ def _decode(b, nq, hq, hkv, nk, d, layout, seed, dtype=torch.bfloat16):
     if layout == "hf":  # [B, Hkv, Nk, D] caches, handed over transposed (the split route reads them in place)
         return mk(b, nq, hq, d), mk(b, hkv, nk, d).transpose(1, 2), mk(b, hkv, nk, d).transpose(1, 2)
     return mk(b, nq, hq, d), mk(b, nk, hkv, d), mk(b, nk, hkv, d)
-
-
-def _poison_allocator():
-    """Leave NaN in freed blocks of torch's caching allocator (large and small pools), so a partial row that no
-    kernel writes reads NaN rather than a lucky 0."""
-    blocks = [torch.full((2 ** 26,), float("nan"), device="cuda")]
-    blocks += [torch.full((2 ** 16,), float("nan"), device="cuda") for _ in range(64)]
-    del blocks
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
@@ -41,7 +33,7 @@ def _poison_allocator():
 ])
 def test_split_kv_vs_fp64_and_fused(layout, d, b, nq, hq, hkv, nk, causal):
     q, k, v = _decode(b, nq, hq, hkv, nk, d, layout, seed=nk + d)
-    _poison_allocator()
+    poison_allocator()
     with routes.forced_forward("split-kv"):
         out, lse = xt.attention_with_lse(q, k, v, causal=causal)
     fused_out, fused_lse = xt.attention_with_lse(q, k, v, causal=causal, num_splits=1)
@@ -57,7 +49,7 @@ def test_auto_route_at_the_issue_shape_splits_and_matches():
     problem = routes.FwdProblem("ffpa", 1, 4, 8, 1, 32768, causal=True,
                                 num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     assert routes.forward_route(problem, "auto").name == "split-kv"
-    _poison_allocator()
+    poison_allocator()
     out = xt.attention(q, k, v, causal=True)
     ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
     assert rel_err(out, ref_out) < 1e-2
@@ -117,7 +109,7 @@ def test_packed_split_kv_vs_fp64_and_fused(d, lens_q, lens_k, hq, hkv, causal, t
     cu = lambda lens: torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)  # noqa: E731
     kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
               causal=causal)
-    _poison_allocator()
+    poison_allocator()
     with routes.forced_forward("split-kv"):
         out, lse = xt.attention_with_lse(q, k, v, **kw)
     fused_out, fused_lse = xt.attention_with_lse(q, k, v, num_splits=1, **kw)
@@ -132,3 +124,30 @@ def test_packed_split_kv_vs_fp64_and_fused(d, lens_q, lens_k, hq, hkv, causal, t
         out.dtype))
     assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-3 + \
         (fused_lse[finite].double() - ref_lse[finite]).abs().max()
+
+
+def test_combine_never_reads_a_partial_of_lse_minus_inf():
+    """The combine's contract the routes rely on (no out pre-fill for partials): a partial row of lse -inf is
+    skipped, whatever its out holds (NaN here); the rest merge by lse, against fp64."""
+    from xattn.core.split_kv import CombineSpec
+    from xattn.torch import ops
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    p, b, nq, hq, dv = 5, 3, 2, 8, 512
+    out_p = torch.randn(p, b, nq, hq, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    lse_p = torch.randn(p, b, hq, nq, device="cuda", generator=g) * 3
+    dead = torch.rand(p, b, hq, nq, device="cuda", generator=g) < 0.4
+    dead[:, 0, 0] = True  # a row with no live partial: out 0, lse -inf
+    lse_p[dead] = float("-inf")
+    out_p.permute(0, 1, 3, 2, 4)[dead] = float("nan")
+    out = torch.empty(b, nq, hq, dv, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(b, hq, nq, device="cuda")
+    ops.LAUNCH["combine"](CombineSpec("ffpa", "bfloat16", dv), out_p, lse_p.permute(0, 1, 3, 2), out,
+                          lse.permute(0, 2, 1))
+    total = torch.logsumexp(lse_p.double(), 0)
+    w = torch.exp(lse_p.double() - total).nan_to_num(0.0).permute(0, 1, 3, 2)[..., None]  # [P, B, Nq, Hq, 1]
+    ref = torch.where(w > 0, w * out_p.double(), 0.0).sum(0)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() < 2e-2
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(total))
+    assert (lse.double() - total).nan_to_num(0.0).abs().max() < 1e-4

@@ -39,12 +39,13 @@ from .cache import get_launcher
 from .checks import (Meta, Problem, as_tensor, check_attention, check_layout_sizes, check_scale, check_window,
                      check_workspace, quick_check, validate)
 from .spec import KernelSpec, supports
+from .paged import PagedMetaSpec
 from .split_kv import MAX_PARTIALS, CombineSpec
 from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd", "launch_combine",
-           "launch_paged_fwd"]
+           "launch_paged_fwd", "launch_paged_meta"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
@@ -225,6 +226,26 @@ def launch_paged_fwd(spec: KernelSpec, q, k_pages, v_pages, kv_meta, out, lse, *
     views = [as_tensor(a, "buffer") for a in args]
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
         function(*views, softmax_scale)
+
+
+def launch_paged_meta(spec: PagedMetaSpec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size: int,
+                      seqlen_q: int, stream: int | None = None) -> None:
+    """Enqueue the paged split route's index kernel (:mod:`xattn.core.paged_meta_sm90`): from ``lengths [B]`` and
+    ``page_table [B, P]`` (int32, any strides) write the split entries' ``kv_meta [S*B, 1+pps]`` (int32, row
+    ``s * B + b``: its keys, then table columns ``s*pps..``, 0 past the table), with ``spec.tail`` the causal tail's
+    ``tail_meta [B, 1+W]`` (otherwise any int32 tensor, untouched), and -inf into every element of ``lse_fill [F]``
+    fp32. ``page_size`` and ``seqlen_q`` (Nq) as the plan's (:func:`xattn.core.paged.entry_bounds`)."""
+    if page_size < 1 or seqlen_q < 1:
+        raise ValueError(f"launch_paged_meta: page_size {page_size} and seqlen_q {seqlen_q} must be >= 1")
+    args = (lengths, page_table, kv_meta, tail_meta, lse_fill, page_size, seqlen_q)
+    function = get_launcher(spec).function
+    if stream is None:
+        function(*args)
+        return
+    _check_stream(stream)
+    views = [as_tensor(a, "buffer") for a in args[:5]]
+    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
+        function(*views, page_size, seqlen_q)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from . import disk_cache
 from .device import cuda_gpus
 from .spec import KernelSpec, supports
+from .paged import PagedMetaSpec
 from .split_kv import CombineSpec
 
 __all__ = ["Launcher", "get_launcher", "cached_specs", "clear", "set_compiler"]
@@ -49,6 +50,9 @@ def _default_compiler(spec: KernelSpec):
     if isinstance(spec, CombineSpec):  # the split-KV route's merge (xattn.core.split_kv)
         from .combine_sm90 import compile_combine
         return compile_combine(spec)
+    if isinstance(spec, PagedMetaSpec):  # the paged split route's index kernel (xattn.core.paged)
+        from .paged_meta_sm90 import compile_paged_meta
+        return compile_paged_meta(spec)
     if not isinstance(spec, KernelSpec):  # a GEMM of the chunked backward (xattn.core.gemm_sm90.GemmSpec)
         from .gemm_sm90 import compile_gemm
         return compile_gemm(spec)

@@ -19,11 +19,14 @@ Pure Python: no torch, jax or numpy (``tests/core/test_layering.py``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["PagedPlan", "plan_paged", "entry_bounds", "PageTableError", "page_table_problem", "length_message",
-           "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
+from .spec import library_versions
+
+__all__ = ["PagedPlan", "PagedMetaSpec", "plan_paged", "tail_pages", "entry_bounds", "PageTableError",
+           "page_table_problem", "length_message", "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
 
 MIN_PAGE_SIZE = 16  # the issue's range: 16 (vLLM's default) to 256
 MAX_PAGE_SIZE = 256
@@ -46,6 +49,32 @@ class PagedPlan:
         return self.splits + int(self.tail)
 
 
+@dataclass(frozen=True)
+class PagedMetaSpec:
+    """Compile key of the split route's index launcher (:mod:`xattn.core.paged_meta_sm90`): one kernel writes the
+    split entries' ``kv_meta``, with ``tail`` the causal tail's, and the partials' lse pre-fill. Goes through the
+    launcher and disk caches as the combine does; ``family`` only names the entry (the kernel moves int32 indices)."""
+
+    family: str
+    tail: bool
+    arch: str = "sm_90a"
+    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def short_name(self) -> str:
+        # "<family>_fwd_" prefix: the disk cache's own-file pattern (``cache clear`` removes these too)
+        return f"{self.family}_fwd_paged_meta{'_tail' if self.tail else ''}_{self.arch}"
+
+    def target_name(self) -> str:
+        digest = hashlib.sha256(repr(self.versions).encode()).hexdigest()[:10]
+        return f"xattn_{self.short_name()}_{digest}"
+
+
 def plan_paged(splits: int, causal: bool, seqlen_q: int, max_pages: int) -> PagedPlan:
     """The plan of at most ``splits`` splits over a ``max_pages``-wide page table: pages per split
     ``ceil(max_pages / splits)``, and as many splits as those pages need (no split past the table)."""
@@ -56,6 +85,12 @@ def plan_paged(splits: int, causal: bool, seqlen_q: int, max_pages: int) -> Page
     pps = -(-max_pages // splits)
     used = -(-max_pages // pps)
     return PagedPlan(used, pps, causal and seqlen_q > 1, used * pps != max_pages)
+
+
+def tail_pages(page_size: int, seqlen_q: int) -> int:
+    """Page-table columns the causal tail reads: its keys (at most ``page_size - 1`` before key ``L - Nq``, then the Nq
+    last) span at most this many pages."""
+    return -(-(page_size + seqlen_q - 1) // page_size)
 
 
 def entry_bounds(plan: PagedPlan, length: int, seqlen_q: int, page_size: int) -> list[tuple[int, int]]:

@@ -5,8 +5,10 @@ Pools ``k_pages/v_pages [NP, PS, Hkv, D/Dv]``, ``page_table [B, P]`` int32, ``le
 
 * the **splits**: a virtual batch of ``S * B`` entries, slot-major (entry ``s * B + b``: sequence b's split s),
   so the partials are ``[S, B, ...]`` as the combine reads them; ``kv_meta [S * B, 1 + pps]`` holds each
-  entry's keys and its page-table columns, built by device arithmetic (no sync, CUDA-graph safe);
-* the **causal tail** (Nq > 1): one causal entry per sequence from the page holding key ``L - Nq``;
+  entry's keys and its page-table columns, written with the tail's and the partials' lse pre-fill by one index
+  kernel (:mod:`xattn.core.paged_meta_sm90`: no sync, CUDA-graph safe, one launch instead of 4-14 small ones);
+* the **causal tail** (Nq > 1): one causal entry per sequence from the page holding key ``L - Nq``, on a second
+  stream beside the splits (as the contiguous route's);
 * on route ``fused`` (:func:`xattn.core.routes.forward_route`: a window, a short table, ``num_splits=1``): a single
   launch over each sequence's whole table (no combine).
 
@@ -54,25 +56,24 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
         return _launch(family, q, kp, vp, meta, ps, causal, left, right, scale)
     plan = paged.plan_paged(route.plan.splits, causal, nq, max_pages)
     pps, s = plan.pages_per_split, plan.splits
-    n = lengths.to(torch.int32)
-    tail_page = (n - n.clamp(max=nq)) // ps if plan.tail else None
-    before = tail_page * ps if plan.tail else n
-    span = pps * ps
-    keys = (before[None, :] - split_kv_torch.ramp(0, s, q.device, span)[:, None]).clamp_(0, span)  # [S, B] int32
-    if plan.padded:
-        table = torch.nn.functional.pad(table, (0, s * pps - max_pages))
-    cols = table.view(b, s, pps).transpose(0, 1)  # [S, B, pps]
-    meta = torch.cat([keys[..., None], cols], dim=2).view(s * b, 1 + pps)
-    q_entries = q.unsqueeze(0).expand(s, b, nq, hq, d).reshape(s * b, nq, hq, d)
+    meta = torch.empty((s * b, 1 + pps), dtype=torch.int32, device=q.device)
+    tail_meta = torch.empty((b, 1 + paged.tail_pages(ps, nq)), dtype=torch.int32, device=q.device) if plan.tail \
+        else meta
     out_p = torch.empty((plan.partials, b, nq, hq, dv), dtype=q.dtype, device=q.device)
     lse_p = torch.empty((plan.partials, b, hq, nq), dtype=torch.float32, device=q.device)
+    # one kernel: every entry's keys and table columns, the tail's, and lse -inf in every partial row (FFPA skips
+    # an entry without keys; the combine skips a row of lse -inf, so no out needs a fill)
+    ops.LAUNCH["paged_meta"](_meta_spec(family, plan.tail), lengths.to(torch.int32), table, meta, tail_meta,
+                             lse_p.view(-1), page_size=ps, seqlen_q=nq)
+    q_entries = q.unsqueeze(0).expand(s, b, nq, hq, d).reshape(s * b, nq, hq, d)  # a view at B = 1
+    side = split_kv_torch.Side(q.device) if plan.tail else None
+    if side:  # the causal tail beside the splits (its few CTAs take SMs the splits leave idle), as the dense route
+        with side.fork():
+            _launch(family, q, kp, vp, tail_meta, ps, True, None, None, scale, out_p[s], lse_p[s], partial=True)
     _launch(family, q_entries, kp, vp, meta, ps, False, None, None, scale, out_p[:s].view(s * b, nq, hq, dv),
-            lse_p[:s].view(s * b, hq, nq))
-    if plan.tail:
-        width = -(-(ps + nq - 1) // ps)  # the tail's keys span at most this many pages
-        at = (tail_page[:, None] + torch.arange(width, device=q.device)).clamp(max=max_pages - 1)
-        tail_meta = torch.cat([(n - before).to(torch.int32)[:, None], table.gather(1, at)], 1)
-        _launch(family, q, kp, vp, tail_meta, ps, True, None, None, scale, out_p[s], lse_p[s])
+            lse_p[:s].view(s * b, hq, nq), partial=True)
+    if side:
+        side.join()
     out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
     ops.LAUNCH["combine"](_combine_spec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
@@ -133,6 +134,7 @@ def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens
 
 _ROUTES = Memo(256)  # (FwdProblem, request) -> Route: a decode loop asks once per shape
 _combine_spec = functools.lru_cache(maxsize=64)(CombineSpec)  # built once per (family, dtype, Dv), not per step
+_meta_spec = functools.lru_cache(maxsize=8)(paged.PagedMetaSpec)
 
 
 def _pools(family: str, k_pages: Tensor, v_pages: Tensor) -> tuple[Tensor, Tensor]:
@@ -150,17 +152,18 @@ def _pools(family: str, k_pages: Tensor, v_pages: Tensor) -> tuple[Tensor, Tenso
     return out[0], out[1]
 
 
-def _launch(family, q, kp, vp, meta, ps, causal, left, right, scale, out=None, lse=None):
-    """One paged launch over ``meta``'s entries; returns (out, lse) (allocated when not given)."""
+def _launch(family, q, kp, vp, meta, ps, causal, left, right, scale, out=None, lse=None, partial=False):
+    """One paged launch over ``meta``'s entries; returns (out, lse) (allocated when not given). ``partial``: out and
+    lse are split partials whose lse the caller pre-filled with -inf (the combine skips such a row: FFPA's skipped
+    entries need no out fill)."""
     b, nq, hq, _ = q.shape
     dv = vp.shape[-1]
     spec = ops.paged_spec(family, str(q.dtype).removeprefix("torch."), q.shape[-1], dv, hq // kp.shape[-2], causal,
                           left, right, ps)
-    fill = spec.output_fill()
     if out is None:
         out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    if fill:  # FFPA skips an entry without keys: it must read (0, -inf)
+    if spec.output_fill() and not partial:  # FFPA skips an entry without keys: it must read (0, -inf)
         out.zero_()
         lse.fill_(float("-inf"))
     ops.LAUNCH["paged"](spec, q, kp, vp, meta, out, lse, softmax_scale=scale)

@@ -63,7 +63,7 @@ def flat_keys(t: Tensor, key_rows: int) -> Tensor:
 _STREAMS: dict = {}
 
 
-class _Side:
+class Side:
     """A second CUDA stream of ``device`` for work beside the current one (no-op off CUDA): ``fork()`` runs
     its block there after the work enqueued so far, ``after_main()`` also after what the current stream
     enqueued since, ``join()`` makes the current stream wait for it. Captures into CUDA graphs as a branch."""
@@ -295,12 +295,12 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     if lengths is not None:  # the documents' keys from the device lengths; the queries' as set up
         cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, lengths, starts)
         setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=key_rows, tail_max_k=key_rows)
-    make = torch.zeros if prefill else torch.empty  # rows no launch writes (FFPA skips them) read (0, -inf)
-    out_p = make((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
+    # a partial row no launch writes (FFPA skips it) reads lse -inf, so the combine skips it: its out is never read
+    out_p = torch.empty((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
     lse_p = torch.empty((hq, b * p * nq), dtype=torch.float32, device=q.device)
     if prefill:
         lse_p.fill_(float("-inf"))
-    side = _Side(q.device) if plan.tail else None
+    side = Side(q.device) if plan.tail else None
     if side:  # the causal tail runs beside the splits: its few CTAs take SMs the splits leave idle
         if in_place:  # the last Nq partial rows, past the split launch's documents
             out_t, lse_t = out_p[(p - 1) * nq:], lse_p[:, (p - 1) * nq:]
@@ -309,7 +309,6 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
             lse_t = torch.empty((hq, b * nq), dtype=torch.float32, device=q.device)
         with side.fork():
             if not in_place:
-                out_t.zero_()
                 lse_t.fill_(float("-inf"))
             ops.LAUNCH["fwd"](setup.tail_checked, q.reshape(b * nq, hq, d), kf, vf, out_t, lse_t,
                               softmax_scale=scale, cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k,
