@@ -15,6 +15,8 @@ do_bench flushes the L2 cache between runs). Impls:
 * ``xattn-packed`` / ``xattn-packed-fused``: the same call packed (q ``[B Nq, Hq, D]``, k/v ``[B Nk, Hkv, D]``,
   ``cu_seqlens_q/k``, ``max_seqlen_q = Nq``: vLLM's and HF continuous batching's decode step), the route's pick /
   ``num_splits=1`` (rows get ``packed: true``);
+* ``xattn-pagedPS-cpasync``: the same, FA4 reading pages of several key tiles as they are (cp.async), not as
+  pages of one tile (TMA, :func:`xattn.core.paged.tma_page_rows`);
 * ``xattn-vllmPS``: vLLM's paged decode call, ``xt.paged_attention(q packed, pools, page_table, seqused_k,
   cu_seqlens_q=, max_seqlen_q=Nq)`` on pages of PS rows (``paged: true, packed: true``);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]`` layout with
@@ -71,7 +73,11 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
         fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=nq > 1, enable_gqa=True)  # noqa: E731
         row.update(route="sdpa", splits=None)
     elif impl.startswith(("xattn-paged", "xattn-vllm")):  # the same keys in a pool of shuffled pages (issue #44)
-        ps = int(impl.removeprefix("xattn-paged").removeprefix("xattn-vllm"))
+        import xattn.torch.paged as torch_paged
+
+        own_pages = impl.endswith("-cpasync")  # FA4: pages of two key tiles read as they are (cp.async), not as tiles
+        ps = int(impl.removeprefix("xattn-paged").removeprefix("xattn-vllm").removesuffix("-cpasync"))
+        torch_paged._split_rows = _own_page_rows if own_pages else _TILE_ROWS
         pages = b * nk // ps
         perm = torch.randperm(pages, device="cuda", generator=g)
         k_pool = torch.empty(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -126,6 +132,13 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
                 hbm_fraction_graph=share(ms_graph), status="ok")
 
 
+_TILE_ROWS = None  # xattn.torch.paged._split_rows, kept when the module is first imported
+
+
+def _own_page_rows(family, d, dv, k_pages, v_pages):
+    return k_pages.shape[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -137,6 +150,11 @@ def main() -> None:
     ap.add_argument("--q-lens", default=None, help="queries per sequence (default: 1, and 4 for d512)")
     args = ap.parse_args()
     import torch
+
+    import xattn.torch.paged as torch_paged
+
+    global _TILE_ROWS
+    _TILE_ROWS = torch_paged._split_rows
 
     rows = []
     for name in args.shapes.split(","):

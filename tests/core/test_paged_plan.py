@@ -94,3 +94,28 @@ def test_heads_first_pools_are_a_paged_layout_only():
     assert supports(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, kv_heads_first=True)).startswith("kv_heads_first")
     spec = KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 8, page_size=64, kv_heads_first=True)
     assert supports(spec) is None and spec.short_name().endswith("paged64h_sm_90a")
+
+
+def test_fa4_key_tiles_are_flash_attns_own():
+    """FA4_KEY_TILE (xattn.core.paged.tma_page_rows' table) is flash_attn.cute's sm90 forward tile, causal and not,
+    and no other head dim has one tile for both."""
+    pytest.importorskip("flash_attn.cute")
+    from xattn.core.device import prepare_dsl_environment
+
+    prepare_dsl_environment()
+    from flash_attn.cute.interface import _tile_size_fwd_sm90
+
+    shared = {}
+    for d in (64, 96, 128, 192, 256):
+        tiles = {_tile_size_fwd_sm90(d, d, causal, False).n_block_size for causal in (False, True)}
+        if len(tiles) == 1:
+            shared[d] = tiles.pop()
+    assert paged.FA4_KEY_TILE == shared
+
+
+@pytest.mark.parametrize("family, d, dv, page_size, rows", [
+    ("fa4", 128, 128, 256, 128), ("fa4", 64, 64, 256, 128), ("fa4", 128, 128, 128, 128), ("fa4", 128, 128, 64, 64),
+    ("fa4", 256, 256, 256, 256), ("fa4", 256, 256, 160, 80), ("fa4", 192, 128, 256, 256), ("ffpa", 512, 512, 256, 256),
+    ("fa4", 96, 96, 256, 256)])
+def test_tma_page_rows(family, d, dv, page_size, rows):
+    assert paged.tma_page_rows(family, d, dv, page_size) == rows

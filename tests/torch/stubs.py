@@ -176,13 +176,16 @@ def _stub_paged():
 
 
 def _stub_paged_meta():
-    def run(spec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size, seqlen_q, stream=None):
+    def run(spec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size, seqlen_q, tiles_per_page=1,
+            stream=None):
         """The index kernel's contract (xattn.core.api.launch_paged_meta) from the core's host rule
-        (xattn.core.paged.entry_bounds): entry s * B + b, its keys then its table columns (0 past the table)."""
-        b, columns = page_table.shape
+        (xattn.core.paged.entry_bounds): entry s * B + b, its keys then its table columns (0 past the table), the
+        table's pages read as ``tiles_per_page`` pages of ``page_size`` rows each."""
+        r = tiles_per_page
+        table = [[p * r + j for p in row for j in range(r)] for row in page_table.tolist()]
+        b, columns = page_table.shape[0], page_table.shape[1] * r
         s, pps = kv_meta.shape[0] // b, kv_meta.shape[1] - 1
         plan = paged.PagedPlan(s, pps, spec.tail, s * pps != columns)
-        table = page_table.tolist()
         for i, n in enumerate(lengths.tolist()):
             bounds = paged.entry_bounds(plan, n, seqlen_q, page_size)
             row = table[i] + [0] * (s * pps + tail_meta.shape[1] - columns)

@@ -338,3 +338,36 @@ def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(fa
 
 _COMPUTING = {"cat", "clone", "copy_", "fill_", "zero_", "gather", "index_select", "clamp", "clamp_", "arange",
               "floor_divide", "sub", "add", "mul", "where", "pad", "constant_pad_nd", "_to_copy"}
+
+
+@pytest.mark.parametrize("nq, contiguous_pages", [(1, True), (3, True), (1, False)])
+def test_fa4_pages_of_two_key_tiles_are_read_as_tile_pages(nq, contiguous_pages, monkeypatch):
+    """FA4 d128 pages of 256 rows on the split route: the launches read the pool as 128-row pages (TMA; the index
+    kernel maps column c to page table[c // 2] * 2 + c % 2), against fp64; a pool whose pages are not one block
+    each keeps its 256-row pages (cp.async), the same values."""
+    from xattn.core import routes
+    from xattn.torch import ops
+
+    seen = []
+    launch = ops.LAUNCH["paged"]
+
+    def paged(spec, q, k_pool, *args, **kwargs):
+        seen.append((spec.page_size, tuple(k_pool.shape)))
+        return launch(spec, q, k_pool, *args, **kwargs)
+    monkeypatch.setitem(ops.LAUNCH, "paged", paged)
+    g = torch.Generator().manual_seed(17 + nq)
+    lengths, max_pages, hkv, d = [700, 1, 256, 1300], 6, 2, 128
+    k_pool, v_pool, table = _paged_cache(lengths, max_pages, 256, hkv, d, g)
+    if not contiguous_pages:  # every page one half of a block of 512 rows
+        k_pool, v_pool = (torch.cat([t, torch.zeros_like(t)], 1)[:, :256] for t in (k_pool, v_pool))
+    q = torch.randn(len(lengths), nq, 8, d, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    with routes.forced_forward("split-kv"):
+        out, lse = xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, causal=True, num_splits=4,
+                                             return_softmax_lse=True, page_table=table, family="fa4")
+    want_out, want_lse = _expected(q, k_pool, v_pool, table, lengths, True, (None, None), d ** -0.5)
+    assert (out - want_out).abs().max() < 1e-6
+    assert torch.allclose(lse.double(), want_lse, atol=1e-5)
+    rows = 128 if contiguous_pages else 256
+    assert {s for s, _ in seen} == {rows} and {shape[:2] for _, shape in seen} == {(k_pool.shape[0] * 256 // rows,
+                                                                                      rows)}, seen

@@ -32,6 +32,8 @@ def _contiguous(pool, table):
     pytest.param("ffpa", 384, 8, 8, 1, 128, 30, [3000, 0], False, None, id="ffpa-d384-mha-ps128"),
     pytest.param("fa4", 128, 32, 4, 1, 16, 700, [11000, 17, 5000], True, None, id="fa4-d128-g8-ps16"),
     pytest.param("fa4", 128, 32, 8, 3, 128, 90, [11000, 130], True, None, id="fa4-d128-g4-q3-ps128-tma"),
+    pytest.param("fa4", 128, 32, 4, 1, 256, 45, [11000, 255, 257], True, None, id="fa4-d128-g8-ps256-as-tma-128"),
+    pytest.param("fa4", 128, 32, 8, 4, 256, 30, [7001, 3], True, None, id="fa4-d128-g4-q4-ps256-as-tma-128"),
     pytest.param("fa4", 256, 32, 16, 1, 64, 100, [6000, 64], False, None, id="fa4-d256-g2-ps64"),
     pytest.param("fa4", 256, 32, 16, 1, 256, 20, [5000, 900], False, (1023, 0), id="fa4-d256-window-ps256"),
 ])
@@ -157,21 +159,23 @@ def test_index_kernel_matches_the_host_rule(family, tail):
     """The split route's index kernel (xattn.core.paged_meta_sm90) against the core's host rule (the CPU stand-in,
     xattn.core.paged.entry_bounds): every entry's keys and table columns, the tail's, and the lse fill, for empty,
     1-key, partial-page and full sequences, padded splits (S * pps past the table), page sizes 16-256, Nq 1-16,
-    and a table that is a strided view (no copy)."""
+    pool pages read as 2 or 3 tile pages (FA4's TMA), and a table that is a strided view (no copy)."""
     from tests.torch.stubs import _stub_paged_meta
     from xattn.core import paged
     from xattn.torch import ops
 
     g = torch.Generator(device="cuda").manual_seed(11 + tail)
     host = _stub_paged_meta()
-    for ps, nq, columns, splits in ((16, 1, 70, 9), (64, 4, 33, 5), (256, 16, 7, 3), (64, 3, 40, 40), (128, 2, 1, 1)):
+    for ps, nq, columns, splits, r in ((16, 1, 70, 9, 1), (64, 4, 33, 5, 1), (256, 16, 7, 3, 1), (64, 3, 40, 40, 1),
+                                       (128, 2, 1, 1, 1), (128, 3, 9, 4, 2), (128, 1, 20, 7, 2), (80, 5, 6, 2, 3)):
         if not tail and nq > 1:
             nq = 1
-        lengths = [0, 1, ps - 1, ps, columns * ps, columns * ps - 5, min(nq, columns * ps), columns * ps // 2 + 3]
+        span = columns * ps * r  # keys the table holds
+        lengths = [0, 1, ps - 1, ps, span, span - 5, min(nq, span), span // 2 + 3]
         wide = torch.randint(-1, 10 ** 6, (len(lengths), 2 * columns + 3), device="cuda", generator=g,
                              dtype=torch.int32)
         table = wide[:, 3::2]  # strided columns and rows
-        plan = paged.plan_paged(splits, tail, nq if tail else 1, columns)
+        plan = paged.plan_paged(splits, tail, nq if tail else 1, columns * r)
         lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         want = [torch.full((plan.splits * len(lengths), 1 + plan.pages_per_split), -7, dtype=torch.int32),
                 torch.full((len(lengths), 1 + paged.tail_pages(ps, nq)), -7, dtype=torch.int32),
@@ -179,10 +183,11 @@ def test_index_kernel_matches_the_host_rule(family, tail):
         got = [w.clone().cuda() for w in want]
         spec = paged.PagedMetaSpec(family, plan.tail)
         tail_got = got[1] if plan.tail else got[0]
-        ops.LAUNCH["paged_meta"](spec, lens, table, got[0], tail_got, got[2], page_size=ps, seqlen_q=nq)
+        ops.LAUNCH["paged_meta"](spec, lens, table, got[0], tail_got, got[2], page_size=ps, seqlen_q=nq,
+                                 tiles_per_page=r)
         host(spec, lens.cpu(), table.cpu(), want[0], want[1] if plan.tail else want[0], want[2], page_size=ps,
-             seqlen_q=nq)
-        assert torch.equal(got[0].cpu(), want[0]), (ps, nq, columns, splits)
+             seqlen_q=nq, tiles_per_page=r)
+        assert torch.equal(got[0].cpu(), want[0]), (ps, nq, columns, splits, r)
         if plan.tail:
-            assert torch.equal(got[1].cpu(), want[1]), (ps, nq, columns, splits)
+            assert torch.equal(got[1].cpu(), want[1]), (ps, nq, columns, splits, r)
         assert torch.isneginf(got[2]).all()

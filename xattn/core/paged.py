@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from .spec import library_versions
 
-__all__ = ["PagedPlan", "PagedMetaSpec", "plan_paged", "tail_pages", "entry_bounds", "PageTableError",
-           "page_table_problem", "length_message", "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
+__all__ = ["PagedPlan", "PagedMetaSpec", "plan_paged", "tail_pages", "tma_page_rows", "FA4_KEY_TILE", "entry_bounds",
+           "PageTableError", "page_table_problem", "length_message", "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
 
 MIN_PAGE_SIZE = 16  # the issue's range: 16 (vLLM's default) to 256
 MAX_PAGE_SIZE = 256
@@ -85,6 +85,20 @@ def plan_paged(splits: int, causal: bool, seqlen_q: int, max_pages: int) -> Page
     pps = -(-max_pages // splits)
     used = -(-max_pages // pps)
     return PagedPlan(used, pps, causal and seqlen_q > 1, used * pps != max_pages)
+
+
+# FA4 sm90's key tile (rows) where its causal and unmasked forwards share one, D == Dv (flash_attn.cute's
+# _tile_size_fwd_sm90; tests/core/test_paged_plan.py checks the table against it)
+FA4_KEY_TILE = {64: 128, 128: 128, 192: 112, 256: 80}
+
+
+def tma_page_rows(family: str, head_dim: int, head_dim_v: int, page_size: int) -> int:
+    """The page size the split route's launches read the pool with: FA4 loads a page of exactly its key tile by
+    TMA and any other by cp.async (slower: session 18's d128 rows), so a page of r whole tiles is read as r
+    pages of one tile (the pool's ``[NP r, tile, Hkv, D]`` view, the table mapped by the index kernel); else
+    ``page_size`` itself. Same keys, same kernel tile: the same results."""
+    tile = FA4_KEY_TILE.get(head_dim) if family == "fa4" and head_dim == head_dim_v else None
+    return tile if tile and page_size > tile and page_size % tile == 0 else page_size
 
 
 def tail_pages(page_size: int, seqlen_q: int) -> int:

@@ -42,9 +42,10 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     ps, hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
     max_pages = page_table.shape[1]
     local = left is not None or right is not None
+    rows = _split_rows(family, d, dv, k_pages, v_pages)  # the split launches' pages: rows of a pool page's tiles
     problem = routes.FwdProblem(family, b, hkv, hq // hkv, nq, max_pages * ps, causal=causal, local=local,
                                 num_sms=num_sms(q.device), num_splits=num_splits,
-                                split_refused=_split_refusal(family, q.dtype, q.shape[-1], dv, hq // hkv, ps))
+                                split_refused=_split_refusal(family, q.dtype, q.shape[-1], dv, hq // hkv, rows))
     request = routes.requested_forward()
     route = _ROUTES.get((problem, request))
     if route is None:
@@ -54,23 +55,26 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     if route.name != "split-kv":  # one entry per sequence, its whole table: the kernel masks as asked
         meta = torch.cat([lengths.to(torch.int32)[:, None], table], dim=1)
         return _launch(family, q, kp, vp, meta, ps, causal, left, right, scale)
-    plan = paged.plan_paged(route.plan.splits, causal, nq, max_pages)
+    r = ps // rows
+    if r > 1:  # FA4: each pool page read as r pages of its key tile (TMA); the index kernel maps the table
+        kp, vp = kp.view(-1, rows, hkv, d), vp.view(-1, rows, hkv, dv)
+    plan = paged.plan_paged(route.plan.splits, causal, nq, max_pages * r)
     pps, s = plan.pages_per_split, plan.splits
     meta = torch.empty((s * b, 1 + pps), dtype=torch.int32, device=q.device)
-    tail_meta = torch.empty((b, 1 + paged.tail_pages(ps, nq)), dtype=torch.int32, device=q.device) if plan.tail \
-        else meta
+    tail_meta = torch.empty((b, 1 + paged.tail_pages(rows, nq)), dtype=torch.int32, device=q.device) \
+        if plan.tail else meta
     out_p = torch.empty((plan.partials, b, nq, hq, dv), dtype=q.dtype, device=q.device)
     lse_p = torch.empty((plan.partials, b, hq, nq), dtype=torch.float32, device=q.device)
     # one kernel: every entry's keys and table columns, the tail's, and lse -inf in every partial row (FFPA skips
     # an entry without keys; the combine skips a row of lse -inf, so no out needs a fill)
     ops.LAUNCH["paged_meta"](_meta_spec(family, plan.tail), lengths.to(torch.int32), table, meta, tail_meta,
-                             lse_p.view(-1), page_size=ps, seqlen_q=nq)
+                             lse_p.view(-1), page_size=rows, seqlen_q=nq, tiles_per_page=r)
     q_entries = q.unsqueeze(0).expand(s, b, nq, hq, d).reshape(s * b, nq, hq, d)  # a view at B = 1
     side = split_kv_torch.Side(q.device) if plan.tail else None
     if side:  # the causal tail beside the splits (its few CTAs take SMs the splits leave idle), as the dense route
         with side.fork():
-            _launch(family, q, kp, vp, tail_meta, ps, True, None, None, scale, out_p[s], lse_p[s], partial=True)
-    _launch(family, q_entries, kp, vp, meta, ps, False, None, None, scale, out_p[:s].view(s * b, nq, hq, dv),
+            _launch(family, q, kp, vp, tail_meta, rows, True, None, None, scale, out_p[s], lse_p[s], partial=True)
+    _launch(family, q_entries, kp, vp, meta, rows, False, None, None, scale, out_p[:s].view(s * b, nq, hq, dv),
             lse_p[:s].view(s * b, hq, nq), partial=True)
     if side:
         side.join()
@@ -79,6 +83,16 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     ops.LAUNCH["combine"](_combine_spec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
                           lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
     return out, lse
+
+
+def _split_rows(family: str, d: int, dv: int, k_pages: Tensor, v_pages: Tensor) -> int:
+    """Rows per page of the split launches (:func:`xattn.core.paged.tma_page_rows`); a pool whose pages are not
+    each one block of memory keeps its own page size (its view as smaller pages would be a copy)."""
+    ps = k_pages.shape[1]
+    rows = paged.tma_page_rows(family, d, dv, ps)
+    if rows != ps and any(t.stride(0) != ps * t.stride(1) for t in (k_pages, v_pages)):
+        return ps
+    return rows
 
 
 _REFUSALS = Memo(256)  # (paged_spec, sizes) -> str: a refusal is worked out once, not raised on every step
