@@ -142,19 +142,31 @@ def main(argv=None, config=None) -> list[dict]:
             generate(model, prompts(2, 16, vocab), 2)  # warm-up: kernels loaded, graphs captured
             for n in map(int, args.requests.split(",")):
                 row = measure(model, impl, n, args.prompt, args.tokens, vocab)
+                row.update(device=_device_name(), date=time.strftime("%Y-%m-%d"))
                 rows.append(row)
                 log(" ".join(f"{k}={row.get(k)}" for k in ("impl", "requests", "prompt_len", "tokens_per_s",
                                                            "seconds", "status")))
+                _write(args.out, rows)  # row by row: a run cut short keeps what it measured
             del model
     sdpa = {r["requests"]: r.get("tokens") for r in rows if r["impl"] == "sdpa" and r["status"] == "ok"}
     for r in rows:
         if r["status"] == "ok" and r["requests"] in sdpa:
             same = sum(a == b for a, b in zip(r["tokens"], sdpa[r["requests"]]))
             r["tokens_equal_sdpa"] = round(same / r["requests"], 3)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"suite": __doc__.split("\n\n")[0], "rows": rows}, f, indent=1)
+    _write(args.out, rows)
     return rows
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+
+
+def _write(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"suite": __doc__.split("\n\n")[0], "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
