@@ -22,8 +22,9 @@ do_bench flushes the L2 cache between runs). Impls:
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]`` layout with
   ``enable_gqa`` (at q_len 1 causal is no mask).
 
-``hbm_fraction`` = bytes of K and V read / time / 4.3 TB/s (the copy bandwidth of the H200 the issue
-measured). ``ms`` times the eager call, host included: do_bench enqueues calls back to back, so a call whose
+``hbm_fraction`` = bytes of K and V read / time / the device's bandwidth (``hbm_bytes_per_s`` in each row: 4.3 TB/s
+on an H200, the copy bandwidth the issue measured; 3.35 TB/s on an H100 SXM, its nominal peak). ``ms`` times the
+eager call, host included: do_bench enqueues calls back to back, so a call whose
 host work outlasts its kernels is timed by its host work. ``ms_graph`` replays the same call captured in a
 CUDA graph: the kernels alone, as a serving engine or HF's static-cache generate runs decode steps.
 
@@ -42,7 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-HBM_BYTES_PER_S = 4.3e12
+HBM_BYTES_PER_S = {"H200": 4.3e12, "H100": 3.35e12}  # by the device name's model; other devices: no fraction
 SHAPES = {  # name: (family, head_dim, hq, hkv): Gemma-4-31B's global layer, its sliding layer without a window, Llama
     "d512": ("ffpa", 512, 32, 4),
     "d256": ("fa4", 256, 32, 16),
@@ -127,9 +128,10 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
     except Exception as exc:  # a row says why, the run goes on
         return dict(row, status=f"error: {type(exc).__name__}: {str(exc)[:200]}")
     kv_bytes = 2 * b * nk * hkv * d * 2
-    share = lambda t: round(kv_bytes / (t * 1e-3) / HBM_BYTES_PER_S, 4)  # noqa: E731
+    peak = next((v for k, v in HBM_BYTES_PER_S.items() if k in torch.cuda.get_device_name()), None)
+    share = lambda t: round(kv_bytes / (t * 1e-3) / peak, 4) if peak else None  # noqa: E731
     return dict(row, ms=round(ms, 4), hbm_fraction=share(ms), ms_graph=round(ms_graph, 4),
-                hbm_fraction_graph=share(ms_graph), status="ok")
+                hbm_fraction_graph=share(ms_graph), hbm_bytes_per_s=peak, status="ok")
 
 
 _TILE_ROWS = None  # xattn.torch.paged._split_rows, kept when the module is first imported
