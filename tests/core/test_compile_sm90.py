@@ -115,3 +115,23 @@ def test_paged_ffpa_maps_the_key_and_value_copies_only_and_restores_its_names():
     compile_paged(KernelSpec("ffpa", "fwd", "bfloat16", 384, 384, 2, True, page_size=128), mapped)
     assert mapped == [2]
     assert module.SeqlenInfoQK is SeqlenInfoQK and module.copy_utils is copy_utils
+
+
+def test_fa4_d96_unmasked_paged_kernel_is_built_with_the_128_row_tile(monkeypatch):
+    """flash_attn.cute's d96 unmasked config (a 144-row key tile) gave wrong paged results on the GPU
+    (xattn.core.paged_sm90): the paged launcher takes the causal config's 128-row tile; the unpaged launchers and
+    the other head dims keep flash_attn's own."""
+    from xattn.core import paged_sm90
+
+    built = []
+
+    class Recorder:
+        def __init__(self, *args, tile_n, **kwargs):
+            built.append(tile_n)
+            raise StopIteration  # recorded: no compile needed
+
+    monkeypatch.setattr(paged_sm90, "FlashAttentionForwardSm90", Recorder)
+    for d, causal in ((96, False), (96, True), (128, False), (256, False)):
+        with pytest.raises(StopIteration):
+            paged_sm90.compile_paged(KernelSpec("fa4", "fwd", "bfloat16", d, d, 2, causal, page_size=128))
+    assert built == [128, 128, 128, 80]

@@ -176,8 +176,8 @@ def _stub_paged():
 
 
 def _stub_paged_meta():
-    def run(spec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size, seqlen_q, tiles_per_page=1,
-            stream=None):
+    def run(spec, lengths, page_table, kv_meta, tail_meta, lse_fill, packed=None, *, page_size, seqlen_q,
+            tiles_per_page=1, stream=None):
         """The index kernel's contract (xattn.core.api.launch_paged_meta) from the core's host rule
         (xattn.core.paged.entry_bounds): entry s * B + b, its keys then its table columns (0 past the table), the
         table's pages read as ``tiles_per_page`` pages of ``page_size`` rows each."""
@@ -196,6 +196,18 @@ def _stub_paged_meta():
                 cols = [table[i][min(first + c, columns - 1)] for c in range(tail_meta.shape[1] - 1)]
                 tail_meta[i] = torch.tensor([keys] + cols)
         lse_fill.fill_(float("-inf"))
+        assert (packed is not None) == spec.packed
+        if packed:  # xattn.core.split_kv "Packed queries": the gathers around the dense problem, a sentinel outside
+            cu_q, q_rows, out_rows, zero = packed
+            cu, tq, nq = cu_q.tolist(), out_rows.shape[0], seqlen_q
+            out_rows.fill_(b * nq)
+            for i in range(b):
+                for k in range(nq):
+                    t = cu[i + 1] - nq + k
+                    q_rows[i * nq + k] = min(max(t, 0), tq - 1)
+                    if cu[i] <= t < tq:
+                        out_rows[t] = i * nq + k
+            zero.zero_()
         CALLS.append(("paged_meta", spec.family))
     return run
 

@@ -259,38 +259,35 @@ def test_paged_decode_follows_the_forward_route_request():
             call(family="fa4", window_size=(8, 0))
 
 
-def test_fa4_d96_unmasked_paged_kernel_is_refused_and_causal_decode_stays_fused():
-    """FA4's d96 paged forward without a mask (its 144-row key tile) failed the H200 fuzz: the support matrix refuses
-    it by name, so the causal decode that would split (unmasked split launches) runs one causal launch instead,
-    matching fp64; an unmasked d96 paged call raises NotImplementedError before any launch."""
+def test_fa4_d96_unmasked_paged_kernel_is_supported_and_causal_decode_splits():
+    """FA4's d96 paged forward without a mask failed the H200 fuzz with its 144-row key tile; xattn builds it with
+    the causal config's 128-row tile (tests/core/test_compile_sm90.py), so the support matrix takes it again and a
+    causal d96 decode takes the split route (unmasked split launches), matching fp64."""
     from xattn.core.spec import KernelSpec, supports
 
-    refused = supports(KernelSpec("fa4", "fwd", "float16", 96, 96, 2, False, False, page_size=128))
-    assert refused and "head dim 96" in refused
-    for causal, window in ((True, (None, None)), (False, (64, 0))):
+    for causal, window in ((False, (None, None)), (True, (None, None)), (False, (64, 0))):
         assert supports(KernelSpec("fa4", "fwd", "float16", 96, 96, 2, causal, False, *window, page_size=128)) is None
-    assert supports(KernelSpec("fa4", "fwd", "float16", 128, 128, 2, False, False, page_size=128)) is None
-
     g = torch.Generator().manual_seed(96)
     lengths = [1066, 1066, 900]
     k_pool, v_pool, table = _paged_cache(lengths, 9, 128, 4, 96, g)
     q = torch.randn(3, 3, 8, 96, generator=g, dtype=torch.float64)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    CALLS.clear()
-    out = xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=True, family="fa4")
-    assert CALLS == [("paged", "fa4")]  # one causal launch: no split, no combine
-    want, _ = _expected(q, k_pool, v_pool, table, lengths, True, (None, None), 96 ** -0.5)
-    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
-    with pytest.raises(NotImplementedError, match="head dim 96"):
-        xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=False, family="fa4")
+    for causal in (True, False):
+        CALLS.clear()
+        out = xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=causal, num_splits=3, family="fa4")
+        assert ("combine", "fa4") in CALLS, CALLS
+        want, _ = _expected(q, k_pool, v_pool, table, lengths, causal, (None, None), 96 ** -0.5)
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family, nq, b", [("ffpa", 1, 1), ("ffpa", 4, 1), ("fa4", 1, 1), ("ffpa", 1, 3)])
-def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(family, nq, b, monkeypatch):
+@pytest.mark.parametrize("family, nq, b, packed", [("ffpa", 1, 1, False), ("ffpa", 4, 1, False), ("fa4", 1, 1, False),
+                                                   ("ffpa", 1, 3, False), ("ffpa", 1, 1, True), ("fa4", 4, 3, True)])
+def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(family, nq, b, packed, monkeypatch):
     """A decode step on the paged split route (lengths and table already int32 on the device) launches the index
     kernel, the split (and causal tail) launches and the combine, and no framework kernel but the queries' one
     broadcast copy at B > 1 (the index arithmetic, table copies and fills of the torch version were 4-14 kernels,
-    each a launch on the decode step's critical path)."""
+    each a launch on the decode step's critical path); vLLM's packed call adds three gathers (q in, out and lse
+    back: 13 more kernels before)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from xattn.core import routes
@@ -324,14 +321,20 @@ def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(fa
     k_pool, v_pool, table = _paged_cache([3000] * b, 48, 64, 2, 8, g)
     q = torch.randn(b, nq, 8, 8, generator=g, dtype=torch.float64)
     seqlens = torch.full((b,), 3000, dtype=torch.int32)
+    cu = torch.arange(b + 1, dtype=torch.int32) * nq
     with routes.forced_forward("split-kv"):
-        step = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,  # noqa: E731
-                                                 page_table=table, causal=True, family=family)
-        step()
+        if packed:
+            step = lambda: xt.paged_attention(q.flatten(0, 1), k_pool, v_pool, table, seqlens,  # noqa: E731
+                                              cu_seqlens_q=cu, max_seqlen_q=nq, causal=True, family=family)
+        else:
+            step = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,  # noqa: E731
+                                                     page_table=table, causal=True, family=family)
+        want = step()
         CALLS.clear()
         with seen:
-            step()
-    assert seen.ops == ([] if b == 1 else ["clone"]), seen.ops
+            got = step()
+    torch.testing.assert_close(got, want)
+    assert sorted(seen.ops) == (["clone"] if b > 1 else []) + ["index_select"] * 3 * packed, seen.ops
     launches = [c[0] for c in CALLS]
     assert launches == ["paged_meta"] + ["paged"] * (1 + (nq > 1)) + ["combine"], launches
 

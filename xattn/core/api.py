@@ -228,25 +228,31 @@ def launch_paged_fwd(spec: KernelSpec, q, k_pages, v_pages, kv_meta, out, lse, *
         function(*views, softmax_scale)
 
 
-def launch_paged_meta(spec: PagedMetaSpec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size: int,
-                      seqlen_q: int, tiles_per_page: int = 1, stream: int | None = None) -> None:
+def launch_paged_meta(spec: PagedMetaSpec, lengths, page_table, kv_meta, tail_meta, lse_fill, packed=None, *,
+                      page_size: int, seqlen_q: int, tiles_per_page: int = 1, stream: int | None = None) -> None:
     """Enqueue the paged split route's index kernel (:mod:`xattn.core.paged_meta_sm90`): from ``lengths [B]`` and
     ``page_table [B, P]`` (int32, any strides) write the split entries' ``kv_meta [S*B, 1+pps]`` (int32, row
     ``s * B + b``: its keys, then table columns ``s*pps..``, 0 past the table), with ``spec.tail`` the causal tail's
     ``tail_meta [B, 1+W]`` (otherwise any int32 tensor, untouched), and -inf into every element of ``lse_fill [F]``
-    fp32. ``page_size`` and ``seqlen_q`` (Nq) as the plan's (:func:`xattn.core.paged.entry_bounds`); with
-    ``tiles_per_page`` r > 1 the pool's pages are read as r pages of ``page_size`` rows each (table column c:
-    ``page_table[b, c // r] * r + c % r``)."""
+    fp32. With ``spec.packed``, ``packed = (cu_seqlens_q [B+1], q_rows [B*Nq], out_rows [Tq], zero [Z])`` int32:
+    the packed queries' gathers, as the module says (otherwise None). ``page_size`` and
+    ``seqlen_q`` (Nq) as the plan's (:func:`xattn.core.paged.entry_bounds`); with ``tiles_per_page`` r > 1 the
+    pool's pages are read as r pages of ``page_size`` rows each (table column c: ``page_table[b, c // r] * r +
+    c % r``)."""
     if page_size < 1 or seqlen_q < 1 or tiles_per_page < 1:
         raise ValueError(f"launch_paged_meta: page_size {page_size}, seqlen_q {seqlen_q} and tiles_per_page "
                          f"{tiles_per_page} must be >= 1")
-    args = (lengths, page_table, kv_meta, tail_meta, lse_fill, page_size, seqlen_q, tiles_per_page)
+    if (packed is not None) != spec.packed or (packed is not None and len(packed) != 4):
+        raise ValueError(f"launch_paged_meta: {spec.short_name()} takes "
+                         f"{'the five packed gathers' if spec.packed else 'no packed gathers'}")
+    extra = packed or (lengths,) * 4  # unused slots take any int32 vector: the lengths themselves
+    args = (lengths, page_table, kv_meta, tail_meta, lse_fill, *extra, page_size, seqlen_q, tiles_per_page)
     function = get_launcher(spec).function
     if stream is None:
         function(*args)
         return
     _check_stream(stream)
-    views = [as_tensor(a, "buffer") for a in args[:5]]
+    views = [as_tensor(a, "buffer") for a in args[:9]]
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
         function(*views, page_size, seqlen_q, tiles_per_page)
 

@@ -52,11 +52,13 @@ class PagedPlan:
 @dataclass(frozen=True)
 class PagedMetaSpec:
     """Compile key of the split route's index launcher (:mod:`xattn.core.paged_meta_sm90`): one kernel writes the
-    split entries' ``kv_meta``, with ``tail`` the causal tail's, and the partials' lse pre-fill. Goes through the
+    split entries' ``kv_meta``, with ``tail`` the causal tail's, with ``packed`` the gathers of packed queries, and
+    the partials' lse pre-fill. Goes through the
     launcher and disk caches as the combine does; ``family`` only names the entry (the kernel moves int32 indices)."""
 
     family: str
     tail: bool
+    packed: bool = False
     arch: str = "sm_90a"
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
@@ -68,7 +70,8 @@ class PagedMetaSpec:
 
     def short_name(self) -> str:
         # "<family>_fwd_" prefix: the disk cache's own-file pattern (``cache clear`` removes these too)
-        return f"{self.family}_fwd_paged_meta{'_tail' if self.tail else ''}_{self.arch}"
+        kinds = "_tail" * self.tail + "_packed" * self.packed
+        return f"{self.family}_fwd_paged_meta{kinds}_{self.arch}"
 
     def target_name(self) -> str:
         digest = hashlib.sha256(repr(self.versions).encode()).hexdigest()[:10]
