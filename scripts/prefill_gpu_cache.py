@@ -135,6 +135,9 @@ def specs(recorded=None, fuzz=False):
     from xattn.core.paged import PagedMetaSpec
     out += [PagedMetaSpec(family, tail, packed) for family in ("ffpa", "fa4") for tail in (False, True)
             for packed in (False, True)]  # the paged split route's index kernel
+    from xattn.core.split_kv import SplitMetaSpec
+    out += [SplitMetaSpec(family, tail, packed) for family in ("ffpa", "fa4") for tail in (False, True)
+            for packed in (False, True)]  # the contiguous split route's, with device lengths
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

@@ -8,6 +8,7 @@ import tvm_ffi
 
 from xattn.core import cache
 from xattn.core.paged import PagedMetaSpec
+from xattn.core.split_kv import SplitMetaSpec
 from xattn.core.spec import KernelSpec
 
 pytestmark = pytest.mark.compile
@@ -66,7 +67,11 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 8, page_size=64, kv_heads_first=True),  # JAX's pool layout
     KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=128, kv_heads_first=True))]
 # The paged split route's index kernel (xattn.core.paged_meta_sm90), with and without a causal tail.
-SHIPPED += [pytest.param(s, id=s.short_name()) for s in (PagedMetaSpec("ffpa", True), PagedMetaSpec("fa4", False))]
+SHIPPED += [pytest.param(s, id=s.short_name()) for s in (PagedMetaSpec("ffpa", True), PagedMetaSpec("fa4", False),
+                                                           PagedMetaSpec("ffpa", True, True))]
+# The contiguous split route's index kernel (xattn.core.split_meta_sm90).
+SHIPPED += [pytest.param(s, id=s.short_name()) for s in (SplitMetaSpec("ffpa", True),
+                                                           SplitMetaSpec("fa4", False, True))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

@@ -288,34 +288,9 @@ def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(fa
     broadcast copy at B > 1 (the index arithmetic, table copies and fills of the torch version were 4-14 kernels,
     each a launch on the decode step's critical path); vLLM's packed call adds three gathers (q in, out and lse
     back: 13 more kernels before)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from xattn.core import routes
-    from xattn.torch import ops
 
-    class Kernels(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-            self.inside = 0  # ops of a stand-in launch are the kernel's, not the step's
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.inside and (torch.Tag.pointwise in func.tags or func.__name__.split(".")[0] in _COMPUTING):
-                self.ops.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
-    seen = Kernels()
-
-    def quiet(launch):
-        def run(*args, **kwargs):
-            seen.inside += 1
-            try:
-                return launch(*args, **kwargs)
-            finally:
-                seen.inside -= 1
-        return run
-    monkeypatch.setattr(ops, "LAUNCH", {name: quiet(fn) for name, fn in ops.LAUNCH.items()})
+    from .framework_kernels import counting
 
     g = torch.Generator().manual_seed(5)
     k_pool, v_pool, table = _paged_cache([3000] * b, 48, 64, 2, 8, g)
@@ -331,46 +306,10 @@ def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(fa
                                                      page_table=table, causal=True, family=family)
         want = step()
         CALLS.clear()
-        with seen:
+        with counting(monkeypatch) as kernels:
             got = step()
     torch.testing.assert_close(got, want)
-    assert sorted(seen.ops) == (["clone"] if b > 1 else []) + ["index_select"] * 3 * packed, seen.ops
+    assert sorted(kernels) == (["clone"] if b > 1 else []) + ["index_select"] * 3 * packed, kernels
     launches = [c[0] for c in CALLS]
     assert launches == ["paged_meta"] + ["paged"] * (1 + (nq > 1)) + ["combine"], launches
 
-
-_COMPUTING = {"cat", "clone", "copy_", "fill_", "zero_", "gather", "index_select", "clamp", "clamp_", "arange",
-              "floor_divide", "sub", "add", "mul", "where", "pad", "constant_pad_nd", "_to_copy"}
-
-
-@pytest.mark.parametrize("nq, contiguous_pages", [(1, True), (3, True), (1, False)])
-def test_fa4_pages_of_two_key_tiles_are_read_as_tile_pages(nq, contiguous_pages, monkeypatch):
-    """FA4 d128 pages of 256 rows on the split route: the launches read the pool as 128-row pages (TMA; the index
-    kernel maps column c to page table[c // 2] * 2 + c % 2), against fp64; a pool whose pages are not one block
-    each keeps its 256-row pages (cp.async), the same values."""
-    from xattn.core import routes
-    from xattn.torch import ops
-
-    seen = []
-    launch = ops.LAUNCH["paged"]
-
-    def paged(spec, q, k_pool, *args, **kwargs):
-        seen.append((spec.page_size, tuple(k_pool.shape)))
-        return launch(spec, q, k_pool, *args, **kwargs)
-    monkeypatch.setitem(ops.LAUNCH, "paged", paged)
-    g = torch.Generator().manual_seed(17 + nq)
-    lengths, max_pages, hkv, d = [700, 1, 256, 1300], 6, 2, 128
-    k_pool, v_pool, table = _paged_cache(lengths, max_pages, 256, hkv, d, g)
-    if not contiguous_pages:  # every page one half of a block of 512 rows
-        k_pool, v_pool = (torch.cat([t, torch.zeros_like(t)], 1)[:, :256] for t in (k_pool, v_pool))
-    q = torch.randn(len(lengths), nq, 8, d, generator=g, dtype=torch.float64)
-    seqlens = torch.tensor(lengths, dtype=torch.int32)
-    with routes.forced_forward("split-kv"):
-        out, lse = xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, causal=True, num_splits=4,
-                                             return_softmax_lse=True, page_table=table, family="fa4")
-    want_out, want_lse = _expected(q, k_pool, v_pool, table, lengths, True, (None, None), d ** -0.5)
-    assert (out - want_out).abs().max() < 1e-6
-    assert torch.allclose(lse.double(), want_lse, atol=1e-5)
-    rows = 128 if contiguous_pages else 256
-    assert {s for s, _ in seen} == {rows} and {shape[:2] for _, shape in seen} == {(k_pool.shape[0] * 256 // rows,
-                                                                                      rows)}, seen

@@ -34,7 +34,7 @@ from quack.compile_utils import make_fake_tensor  # noqa: E402
 
 from .paged import PagedMetaSpec  # noqa: E402
 
-__all__ = ["compile_paged_meta"]
+__all__ = ["compile_paged_meta", "write_packed_rows", "packed_count"]
 
 _THREADS = 256
 
@@ -51,7 +51,7 @@ class _PagedMeta:
         if cutlass.const_expr(self.tail):
             total = total + mTail.shape[0] * mTail.shape[1]
         if cutlass.const_expr(self.packed):
-            total = total + mQRows.shape[0] + mOutRows.shape[0] + mZero.shape[0]
+            total = total + packed_count(mQRows, mOutRows, mZero)
         self.kernel(mLengths, mTable, mMeta, mTail, mLse, mCuQ, mQRows, mOutRows, mZero, page_size, seqlen_q,
                     tiles_per_page).launch(
             grid=[cutlass.max(cute.ceil_div(total, _THREADS), 1), 1, 1], block=[_THREADS, 1, 1], stream=stream)
@@ -105,31 +105,39 @@ class _PagedMeta:
                     mTail[b, col] = mTable[b, c // r] * r + c % r
             start = start + mTail.shape[0] * tail_width
         if cutlass.const_expr(self.packed):
-            self.packed_rows(i, start, batch, mCuQ, mQRows, mOutRows, mZero, seqlen_q)
+            write_packed_rows(i, start, batch, mCuQ, mQRows, mOutRows, mZero, seqlen_q)
 
-    @cute.jit
-    def packed_rows(self, i, start, batch, mCuQ: cute.Tensor, mQRows: cute.Tensor, mOutRows: cute.Tensor,
-                    mZero: cute.Tensor, seqlen_q: Int32):
-        """Packed queries: dense row (b, k) of Nq reads packed row cu[b + 1] - Nq + k (clamped); packed row t of
-        sequence b reads dense row b Nq + k back; rows outside every sequence the sentinel B Nq. mZero: the
-        sentinel out row (an int32 view), zeroed."""
-        total_q = mOutRows.shape[0]
-        j = i - start
-        if j >= 0 and j < mQRows.shape[0]:
-            b = j // seqlen_q
-            t = mCuQ[b + 1] - seqlen_q + (j - b * seqlen_q)
-            mQRows[j] = cutlass.max(cutlass.min(t, total_q - 1), 0)
-            if t >= mCuQ[b] and t < total_q:
-                mOutRows[t] = j
-        start = start + mQRows.shape[0]
-        j = i - start
-        if j >= 0 and j < total_q:
-            if j < mCuQ[0] or j >= mCuQ[batch]:
-                mOutRows[j] = batch * seqlen_q
-        start = start + total_q
-        j = i - start
-        if j >= 0 and j < mZero.shape[0]:
-            mZero[j] = Int32(0)
+
+
+def packed_count(mQRows: cute.Tensor, mOutRows: cute.Tensor, mZero: cute.Tensor):
+    """Elements of :func:`write_packed_rows`' index space."""
+    return mQRows.shape[0] + mOutRows.shape[0] + mZero.shape[0]
+
+
+@cute.jit
+def write_packed_rows(i, start, batch, mCuQ: cute.Tensor, mQRows: cute.Tensor, mOutRows: cute.Tensor,
+                      mZero: cute.Tensor, seqlen_q: Int32):
+    """Thread ``i``'s share of the packed queries' gathers, from element ``start`` of its index space (shared with
+    :mod:`xattn.core.split_meta_sm90`): dense row (b, k) of Nq reads packed row ``cu[b + 1] - Nq + k`` (clamped);
+    packed row t of sequence b reads dense row ``b Nq + k`` back; rows outside every sequence the sentinel ``B Nq``.
+    ``mZero``: the sentinel out row (an int32 view), zeroed. Spans ``B Nq + Tq + Z`` elements."""
+    total_q = mOutRows.shape[0]
+    j = i - start
+    if j >= 0 and j < mQRows.shape[0]:
+        b = j // seqlen_q
+        t = mCuQ[b + 1] - seqlen_q + (j - b * seqlen_q)
+        mQRows[j] = cutlass.max(cutlass.min(t, total_q - 1), 0)
+        if t >= mCuQ[b] and t < total_q:
+            mOutRows[t] = j
+    start = start + mQRows.shape[0]
+    j = i - start
+    if j >= 0 and j < total_q:
+        if j < mCuQ[0] or j >= mCuQ[batch]:
+            mOutRows[j] = batch * seqlen_q
+    start = start + total_q
+    j = i - start
+    if j >= 0 and j < mZero.shape[0]:
+        mZero[j] = Int32(0)
 
 
 def compile_paged_meta(spec: PagedMetaSpec):

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from .spec import FFPA_FWD_TILE_M, library_versions
 
-__all__ = ["SplitPlan", "CombineSpec", "plan_splits", "splits_only", "decode_splits", "split_bounds",
+__all__ = ["SplitPlan", "CombineSpec", "SplitMetaSpec", "plan_splits", "splits_only", "decode_splits", "split_bounds",
            "split_cu_seqlens", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
@@ -168,6 +168,34 @@ def split_cu_seqlens(plan: SplitPlan, seqlen_q: int, rows_per_seq: int, lengths:
             tail_q += [tail_q[-1], tail_q[-1] + seqlen_q]
             tail_k += [base + lo, base + hi]
     return cu_q, cu_k, (tail_q if plan.tail else []), (tail_k if plan.tail else [])
+
+
+@dataclass(frozen=True)
+class SplitMetaSpec:
+    """Compile key of the contiguous split route's index launcher (:mod:`xattn.core.split_meta_sm90`): one kernel
+    writes the split launch's ``cu_seqlens_k`` from device lengths, with ``tail`` the tail launch's, with ``packed``
+    the gathers of packed queries, and the partials' lse pre-fill. Goes through the launcher and disk caches as the
+    combine does; ``family`` only names the entry (the kernel moves int32 indices)."""
+
+    family: str
+    tail: bool
+    packed: bool = False
+    arch: str = "sm_90a"
+    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def short_name(self) -> str:
+        # "<family>_fwd_" prefix: the disk cache's own-file pattern (``cache clear`` removes these too)
+        return f"{self.family}_fwd_split_meta{'_tail' * self.tail}{'_packed' * self.packed}_{self.arch}"
+
+    def target_name(self) -> str:
+        digest = hashlib.sha256(repr(self.versions).encode()).hexdigest()[:10]
+        return f"xattn_{self.short_name()}_{digest}"
 
 
 @functools.cache

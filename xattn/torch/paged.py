@@ -13,7 +13,7 @@ Pools ``k_pages/v_pages [NP, PS, Hkv, D/Dv]``, ``page_table [B, P]`` int32, ``le
   launch over each sequence's whole table (no combine).
 
 Packed queries (``cu_seqlens_q``, vLLM's varlen call) with at most 16 per sequence run the same way, as the dense
-problem of ``max_seqlen_q`` queries (:func:`xattn.torch.split_kv.dense_queries`); others one launch.
+problem of ``max_seqlen_q`` queries (the index kernel gathers them in and the rows back out); others one launch.
 """
 
 from __future__ import annotations
