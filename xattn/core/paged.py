@@ -23,7 +23,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .spec import library_versions
+from .spec import FieldsHashed, library_versions
 
 __all__ = ["PagedPlan", "PagedMetaSpec", "plan_paged", "tail_pages", "tma_page_rows", "FA4_KEY_TILE", "entry_bounds",
            "PageTableError", "page_table_problem", "length_message", "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
@@ -50,7 +50,7 @@ class PagedPlan:
 
 
 @dataclass(frozen=True)
-class PagedMetaSpec:
+class PagedMetaSpec(FieldsHashed):
     """Compile key of the split route's index launcher (:mod:`xattn.core.paged_meta_sm90`): one kernel writes the
     split entries' ``kv_meta``, with ``tail`` the causal tail's, with ``packed`` the gathers of packed queries, and
     the partials' lse pre-fill. Goes through the
@@ -62,11 +62,7 @@ class PagedMetaSpec:
     arch: str = "sm_90a"
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
-    def __post_init__(self):
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
-
-    def __hash__(self) -> int:
-        return self._hash
+    __hash__ = FieldsHashed.cached_hash
 
     def short_name(self) -> str:
         # "<family>_fwd_" prefix: the disk cache's own-file pattern (``cache clear`` removes these too)

@@ -57,8 +57,20 @@ def library_versions() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+class FieldsHashed:
+    """Base of the frozen dataclass compile keys (``KernelSpec``, ``CombineSpec``, ``PagedMetaSpec``): the launch path
+    looks a launcher up by its key on every call, so the key's hash is computed once, in ``__post_init__``. A
+    subclass says ``__hash__ = FieldsHashed.cached_hash`` in its body (a dataclass's own hash would replace it)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
+    def cached_hash(self) -> int:
+        return self._hash
+
+
 @dataclass(frozen=True)
-class KernelSpec:
+class KernelSpec(FieldsHashed):
     """Compile key of one fixed-signature launcher.
 
     Attributes:
@@ -92,12 +104,7 @@ class KernelSpec:
     arch: str = "sm_90a"
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
-    def __post_init__(self):
-        # Launch-path lookups hash the key on every call: compute it once.
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
-
-    def __hash__(self) -> int:
-        return self._hash
+    __hash__ = FieldsHashed.cached_hash
 
     @property
     def is_local(self) -> bool:

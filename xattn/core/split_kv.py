@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .spec import FFPA_FWD_TILE_M, library_versions
+from .spec import FFPA_FWD_TILE_M, FieldsHashed, library_versions
 
 __all__ = ["SplitPlan", "CombineSpec", "SplitMetaSpec", "plan_splits", "splits_only", "decode_splits", "split_bounds",
            "split_cu_seqlens", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "source_digest"]
@@ -205,7 +205,7 @@ def source_digest() -> str:
 
 
 @dataclass(frozen=True)
-class CombineSpec:
+class CombineSpec(FieldsHashed):
     """Compile key of the combine launcher (FlashAttention's ``FlashAttentionForwardCombine``): ``dtype`` of
     out and of the partials, ``head_dim_v`` (Dv), up to :data:`MAX_PARTIALS` slots. Goes through the same
     launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`; ``family`` only names the entry."""
@@ -217,12 +217,7 @@ class CombineSpec:
     source: str = field(default_factory=source_digest)
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
 
-    def __post_init__(self):
-        # the launch path looks the launcher up by this key on every call: hash it once
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
-
-    def __hash__(self) -> int:
-        return self._hash
+    __hash__ = FieldsHashed.cached_hash
 
     def short_name(self) -> str:
         # "<family>_fwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
