@@ -58,7 +58,7 @@ def library_versions() -> tuple[tuple[str, str], ...]:
 
 
 class FieldsHashed:
-    """Base of the frozen dataclass compile keys (``KernelSpec``, ``CombineSpec``, ``PagedMetaSpec``): the launch path
+    """Base of the frozen dataclass compile keys (``KernelSpec`` and the split route's launchers'): the launch path
     looks a launcher up by its key on every call, so the key's hash is computed once, in ``__post_init__``. A
     subclass says ``__hash__ = FieldsHashed.cached_hash`` in its body (a dataclass's own hash would replace it)."""
 
