@@ -237,3 +237,64 @@ def test_device_lengths_take_the_index_kernel_and_few_framework_kernels(packed, 
             torch.testing.assert_close(lse[i:i + 1].double(), want_lse)
     if packed:  # the trailing rows: the sentinels
         assert torch.all(out[b * nq:] == 0) and torch.all(torch.isneginf(lse[:, b * nq:]))
+
+
+def test_side_stream_protocol(monkeypatch):
+    """The causal tail's second stream (:class:`xattn.torch.split_kv.Side`) on a device that is not the current
+    one, with CUDA's calls recorded: the side waits for the caller's stream before its block, the block runs with
+    the side current, the caller's stream and current device come back (also when the block raises), and
+    ``join`` makes the caller's stream wait for the side. Each thread gets its own events."""
+    import threading
+
+    from xattn.torch import split_kv
+
+    log, current = [], {"stream": "main", "device": 0}
+
+    class Event:
+        def __init__(self, device):
+            self.name = f"event{len(log)}"
+            log.append(("event", str(device)))
+
+        def record(self, stream):
+            log.append(("record", self.name, stream))
+
+        def wait(self, stream):
+            log.append(("wait", self.name, stream))
+
+    class Stream(str):
+        device_index = 1
+
+        def __new__(cls, device):
+            return super().__new__(cls, "side")
+
+    def set_stream(s):
+        current.update(stream=s, device=1)
+        log.append(("set_stream", str(s)))
+
+    monkeypatch.setattr(split_kv, "_SIDES", threading.local())
+    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda i: "main" if i == 1 else "other")
+    monkeypatch.setattr(torch.accelerator, "set_stream", set_stream)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: current["device"])
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: current.update(device=i))
+
+    side = split_kv.Side(torch.device("cuda", 1))
+    assert log == [("event", "cuda:1"), ("event", "cuda:1")]  # on the tensors' device, not the current one
+    del log[:]
+    with side.fork():
+        log.append(("body", current["stream"], current["device"]))
+    with pytest.raises(RuntimeError), side.after_main():
+        raise RuntimeError("in the block")
+    side.join()
+    forked, joined = side._forked.name, side._joined.name
+    assert log == [("record", forked, "main"), ("wait", forked, "side"), ("set_stream", "side"), ("body", "side", 1),
+                   ("set_stream", "main"), ("record", forked, "main"), ("wait", forked, "side"),
+                   ("set_stream", "side"), ("set_stream", "main"), ("record", joined, "side"), ("wait", joined, "main")]
+    assert current == {"stream": "main", "device": 0}  # the caller's device is current again
+    assert split_kv.Side(torch.device("cuda", 1))._forked is side._forked  # made once per thread and device
+    other = []
+    thread = threading.Thread(target=lambda: other.append(split_kv.Side(torch.device("cuda", 1))._forked))
+    thread.start()
+    thread.join()
+    assert other[0] is not side._forked

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
@@ -61,21 +62,33 @@ def flat_keys(t: Tensor, key_rows: int) -> Tensor:
                         t.storage_offset())
 
 
-_STREAMS: dict = {}
+_SIDES = threading.local()  # per thread: device index -> (side stream, fork event, join event)
 
 
 class Side:
     """A second CUDA stream of ``device`` for work beside the current one (no-op off CUDA): ``fork()`` runs
     its block there after the work enqueued so far, ``after_main()`` also after what the current stream
-    enqueued since, ``join()`` makes the current stream wait for it. Captures into CUDA graphs as a branch."""
+    enqueued since, ``join()`` makes the current stream wait for it. Captures into CUDA graphs as a branch.
+
+    A decode step pays a few C++ calls here (torch.accelerator's stream calls, two events recorded and waited
+    on), not torch.cuda's Python stream wrappers, which made the eager causal tail cost more host time than the
+    launches. The stream and the events are made once per thread and device and reused: a wait orders against
+    the record enqueued before it, so recording an event again later is safe; per thread, so another thread's
+    record cannot land between one of this thread's records and its wait."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.main = torch.cuda.current_stream(device)
-            self.stream = _STREAMS.get(device.index)
-            if self.stream is None:
-                self.stream = _STREAMS[device.index] = torch.cuda.Stream(device)
+            index = torch.cuda.current_device() if device.index is None else device.index
+            sides = getattr(_SIDES, "by_device", None)
+            if sides is None:
+                sides = _SIDES.by_device = {}
+            state = sides.get(index)
+            if state is None:
+                where = torch.device("cuda", index)
+                state = sides[index] = (torch.cuda.Stream(where), torch.Event(where), torch.Event(where))
+            self.stream, self._forked, self._joined = state
+            self.main = torch.accelerator.current_stream(index)
 
     def __bool__(self) -> bool:
         return True
@@ -88,13 +101,21 @@ class Side:
         if not self.cuda:
             yield
             return
-        self.stream.wait_stream(self.main)
-        with torch.cuda.stream(self.stream):
+        self._forked.record(self.main)
+        self._forked.wait(self.stream)
+        device = torch.accelerator.current_device_index()  # set_stream also makes the stream's device current
+        torch.accelerator.set_stream(self.stream)
+        try:
             yield
+        finally:
+            torch.accelerator.set_stream(self.main)
+            if device != self.stream.device_index:
+                torch.accelerator.set_device_index(device)
 
     def join(self) -> None:
         if self.cuda:
-            self.main.wait_stream(self.stream)
+            self._joined.record(self.stream)
+            self._joined.wait(self.main)
 
 
 class _Setup(NamedTuple):
