@@ -35,9 +35,10 @@ def specs(recorded=None, fuzz=False):
 
     out = []
     if fuzz:
-        from tests.fuzz.space import launcher_pool, paged_launchers, split_launchers
+        from tests.fuzz.space import kvcache_launchers, launcher_pool, paged_launchers, split_launchers
 
-        out += launcher_pool() + split_launchers() + paged_launchers()  # the torch fuzz's split and paged routes
+        # the torch fuzz's split, paged and KV-cache routes
+        out += launcher_pool() + split_launchers() + paged_launchers() + kvcache_launchers()
     for row in json.load(open(recorded)) if recorded else []:
         out.append(KernelSpec(**row))
         if row["family"] == "fa4":  # the GPU twins run both dtypes and both passes; FA4 compiles in seconds

@@ -21,11 +21,13 @@ around). JAX arrays are compact: for ``jax``, ``swapped`` means the function is 
 ``[B, H, N, D]`` arrays and transposes them itself.
 
 Routes: for ``torch`` draws also ``paged`` (the same keys in shuffled pages, ``xt.paged_attention``, out and
-lse only; packed draws as vLLM's varlen call), for ``jax`` decoding draws (one query, no window) ``paged`` as
-Pallas' ``paged_attention`` call (out only); for ``torch`` and ``jax`` every backward route that can serve the
-configuration (:func:`xattn.core.routes.serving_routes` of the problem as that front end describes it: host lengths
-for torch, traced ones for JAX) runs forced, one after the other, each judged on its own (checks named
-``dq@gemm-padded``); ``core`` and ``core-jax`` call the fused kernels directly (route ``fused``).
+lse only; packed draws as vLLM's varlen call) and ``kvcache:fused`` / ``kvcache:split-kv`` (FlashAttention's
+``flash_attn_with_kvcache`` call, ``xt.attention_with_kvcache`` with per-sequence device lengths and appended keys,
+each forward route forced where it can serve; out and lse only); for ``jax`` decoding draws (one query, no
+window) ``paged`` as Pallas' ``paged_attention`` call (out only); for ``torch`` and ``jax`` every backward route
+that can serve the configuration (:func:`xattn.core.routes.serving_routes` of the problem as that front end
+describes it: host lengths for torch, traced ones for JAX) runs forced, one after the other, each judged on its
+own (checks named ``dq@gemm-padded``); ``core`` and ``core-jax`` call the fused kernels directly (route ``fused``).
 
 ``CORE`` holds the core entry points; the CPU tests swap in the fp64 stand-ins of
 ``tests/torch/stubs.py`` to run the whole harness without a GPU.
@@ -34,6 +36,7 @@ for torch, traced ones for JAX) runs forced, one after the other, each judged on
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -46,7 +49,8 @@ from tests.reference import attention as ref_attention, varlen_attention as ref_
 from .space import FORM_FRONT_ENDS, Config
 from .tolerance import Check, compare, lowprec_attention, lowprec_varlen_attention
 
-__all__ = ["CORE", "RUNNERS", "Inputs", "make_inputs", "place", "evaluate", "run_one", "QUANTITIES", "routes_of"]
+__all__ = ["CORE", "RUNNERS", "Inputs", "make_inputs", "place", "evaluate", "run_one", "QUANTITIES", "routes_of",
+           "quantities_of"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -350,6 +354,90 @@ def run_torch_paged(cfg: Config, inp: Inputs, device) -> dict:
     return {"out": out, "lse": lse}
 
 
+def _kvcache_plan(cfg: Config) -> tuple[list, list, int, int, int, bool]:
+    """``(lens_q, lens_k, Nq, capacity, appended, heads_major)`` of ``cfg``'s KV-cache call, from a side generator:
+    per-sequence query and key counts (a dense draw: B equal ones), the queries per sequence of the dense call
+    (the longest document's), the cache rows (the longest keys and 0-40 spare ones), the keys the call appends
+    (``k``/``v``: 0 or up to the fewest keys, at most Nq) and whether the cache is HF's heads-major one."""
+    import random
+
+    lens_q = list(cfg.lens_q) if cfg.varlen else [cfg.seqlen_q] * cfg.batch
+    lens_k = list(cfg.lens_k) if cfg.varlen else [cfg.seqlen_k] * cfg.batch
+    side = random.Random(f"{cfg.seed}:kvcache")
+    nq = max(lens_q, default=0)
+    capacity = max(lens_k, default=0) + side.choice([0, 0, 1, 9, 40])
+    appended = side.choice([0, 0, min([nq, *lens_k])])
+    return lens_q, lens_k, nq, capacity, appended, side.random() < 0.3
+
+
+def kvcache_refused(cfg: Config) -> str | None:
+    """Why FlashAttention's ``flash_attn_with_kvcache`` cannot express ``cfg`` (None: it can): it needs one or more
+    sequences and a query in some sequence (each sequence is the dense call's ``Nq`` rows)."""
+    lens_q, _, nq, _, _, _ = _kvcache_plan(cfg)
+    if not lens_q or nq == 0:
+        return "no query in any sequence"
+    return None
+
+
+def run_torch_kvcache(cfg: Config, inp: Inputs, device) -> dict:
+    """The KV-cache call (issue #43, FlashAttention's ``flash_attn_with_kvcache`` names): ``xt.attention_with_kvcache``
+    on each sequence's keys in a cache of spare rows (finite random values past its length; FlashAttention's layout
+    or HF's heads-major one, transposed), the last ``appended`` keys of each sequence written by the call itself
+    (``k``/``v`` at ``cache_seqlens = L - appended``), per-sequence device lengths (:func:`_kvcache_plan`). A packed
+    draw runs as the dense problem of ``Nq`` = its longest document's queries: document b's queries in the last
+    rows of its Nq (so the bottom-right alignment holds), random rows before them, dropped; rows past
+    ``cu_seqlens_q[-1]`` read out 0 and lse -inf, as the packed call's. Forward only: out and lse in the draw's
+    layout."""
+    import xattn.torch as xt
+
+    e = cfg.entry
+    lens_q, lens_k, nq, capacity, appended, heads_major = _kvcache_plan(cfg)
+    b, hq, hkv = len(lens_q), cfg.heads_q, cfg.heads_kv
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    dt = inp.q.dtype
+    q = torch.randn(b, nq, hq, e.head_dim, generator=gen, device=device, dtype=dt)
+    caches = []
+    for t, d in ((inp.k, e.head_dim), (inp.v, e.head_dim_v)):
+        shape = (b, hkv, capacity, d) if heads_major else (b, capacity, hkv, d)
+        cache = torch.randn(shape, generator=gen, device=device, dtype=dt)
+        caches.append(cache.transpose(1, 2) if heads_major else cache)
+    new = [torch.empty(b, appended, hkv, d, device=device, dtype=dt) for d in (e.head_dim, e.head_dim_v)]
+    cu_q = [0, *itertools.accumulate(lens_q)]
+    cu_k = [0, *itertools.accumulate(lens_k)]
+    for i in range(b):
+        rows_q = inp.q[cu_q[i]:cu_q[i + 1]] if cfg.varlen else inp.q[i]
+        q[i, nq - lens_q[i]:] = rows_q
+        for cache, rows_new, t in zip(caches, new, (inp.k, inp.v)):
+            keys = t[cu_k[i]:cu_k[i + 1]] if cfg.varlen else t[i]
+            kept = lens_k[i] - appended
+            cache[i, :kept] = keys[:kept]
+            rows_new[i] = keys[kept:]
+    causal, window = _mask_args(cfg)
+    lengths = torch.tensor([n - appended for n in lens_k], dtype=torch.int32, device=device)
+    kv = dict(k=new[0], v=new[1]) if appended else {}
+    out, lse = xt.attention_with_kvcache(q, caches[0], caches[1], cache_seqlens=lengths, softmax_scale=cfg.scale,
+                                         causal=causal, window_size=window, return_softmax_lse=True,
+                                         family=e.family, **kv)
+    if not cfg.varlen:
+        return {"out": out, "lse": lse}
+    got_out = torch.zeros(cfg.total_q, hq, e.head_dim_v, device=device, dtype=out.dtype)
+    got_lse = torch.full((hq, cfg.total_q), float("-inf"), device=device, dtype=lse.dtype)
+    for i in range(b):
+        got_out[cu_q[i]:cu_q[i + 1]] = out[i, nq - lens_q[i]:]
+        got_lse[:, cu_q[i]:cu_q[i + 1]] = lse[i, :, nq - lens_q[i]:]
+    return {"out": got_out, "lse": got_lse}
+
+
+def _kvcache_problem(cfg: Config):
+    """The KV-cache call's forward as :func:`xattn.core.routes.forward_route` sees it (per-sequence device lengths)."""
+    from xattn.core import routes
+
+    e = cfg.entry
+    lens_q, _, nq, capacity, _, _ = _kvcache_plan(cfg)
+    return routes.FwdProblem(e.family, len(lens_q), cfg.heads_kv, e.g, nq, capacity, causal=e.causal,
+                             local=e.window != (None, None), flat_kv=True, traced=True)
+
+
 def run_jax_paged(cfg: Config, inp: Inputs, device) -> tuple[dict, Config, Inputs]:
     """The paged route of a JAX decoding draw (one query per sequence, no window: the calls Pallas' GPU
     ``paged_attention`` serves): k/v in heads-first pools ``[Hkv, pages, page_size, D]`` of shuffled pages with spare
@@ -460,6 +548,10 @@ def routes_of(cfg: Config) -> list[str]:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
     if cfg.front_end == "torch" and cfg.opt("entry") != "flash_attn_func" and not _paged_refused(cfg, e.causal):
         names.append("paged")  # the same keys through a page table (forward only; packed: vLLM's call)
+    if cfg.front_end == "torch" and not kvcache_refused(cfg):  # FlashAttention's KV-cache call, each route forced
+        names.append("kvcache:fused")
+        if routes.why_not_forward("split-kv", _kvcache_problem(cfg)) is None:
+            names.append("kvcache:split-kv")
     if cfg.front_end == "jax" and not cfg.varlen and cfg.seqlen_q == 1 and e.window == (None, None) and \
             cfg.opt("backend", "kernel") == "kernel" and not _paged_refused(cfg, False):
         names.append("paged")  # Pallas' paged_attention call: one query per sequence
@@ -479,6 +571,14 @@ def _forward_problem(cfg: Config):
                              local=e.window != (None, None), varlen=cfg.varlen, flat_kv=flat)
 
 
+def quantities_of(route: str, front_end: str) -> tuple[str, ...]:
+    """What route ``route`` of ``front_end`` is judged on: the forward-only routes (``paged``, ``kvcache:*``) out and
+    lse (JAX's ``paged``, Pallas' call: out only), the others every quantity of :data:`QUANTITIES`."""
+    if route == "paged" and front_end == "jax":
+        return ("out",)
+    return ("out", "lse") if route == "paged" or route.startswith("kvcache:") else QUANTITIES
+
+
 def _forcing(route: str):
     import contextlib
 
@@ -486,6 +586,8 @@ def _forcing(route: str):
 
     if route == "paged":
         return contextlib.nullcontext()
+    if route.startswith("kvcache:"):
+        return routes.forced_forward(route.partition(":")[2])
     return routes.forced_forward(route) if route in routes.FORWARD_ROUTES and route != "fused" else \
         routes.forced(route)
 
@@ -517,11 +619,13 @@ def evaluate(cfg: Config, device="cuda") -> list[Check]:
             checks.append(check)
             continue
         with _forcing(route):
-            got = (run_torch_paged if route == "paged" else RUNNERS[cfg.front_end])(cfg, inp, device)
+            run = run_torch_paged if route == "paged" else run_torch_kvcache if route.startswith("kvcache:") else \
+                RUNNERS[cfg.front_end]
+            got = run(cfg, inp, device)
         _sync(device)
         if ref64 is None:
             ref64, ref_lp = references(cfg, inp)
-        for n in (QUANTITIES if route != "paged" else ("out", "lse")):
+        for n in quantities_of(route, cfg.front_end):
             check = compare(n, got[n], ref64[n], ref_lp[n], dt)
             if len(names) > 1:
                 check.name = f"{n}@{route}"

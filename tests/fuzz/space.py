@@ -141,6 +141,15 @@ def split_launchers() -> list:
     return list(dict.fromkeys(out))
 
 
+def kvcache_launchers() -> list:
+    """The launchers the fuzz's ``kvcache:fused`` route runs on the pool's entries (``xt.attention_with_kvcache``
+    with device lengths: the family's varlen forward with the entry's mask over the flat cache view); its
+    ``kvcache:split-kv`` route runs :func:`split_launchers`' ones."""
+    import dataclasses
+
+    return list(dict.fromkeys(dataclasses.replace(s, varlen=True) for s in launcher_pool() if s.direction == "fwd"))
+
+
 def paged_launchers() -> list:
     """The launchers the fuzz's ``paged`` route runs on the pool's entries (harness.PAGE_SIZES): torch's the entry's
     own mask (one launch; packed entries: the packed-query paged launcher) and the split launches of decoding

@@ -11,8 +11,8 @@ import pytest
 from xattn.core.spec import FA4_HEAD_DIMS, supports
 
 from . import space
-from .space import (FRONT_ENDS, GPU_LIMITS, POOL, config_seed, configs, draw, launcher_pool, paged_launchers,
-                    split_launchers)
+from .space import (FRONT_ENDS, GPU_LIMITS, POOL, config_seed, configs, draw, kvcache_launchers, launcher_pool,
+                    paged_launchers, split_launchers)
 
 N = 300
 
@@ -124,7 +124,7 @@ def test_prefill_script_lists_the_pool():
     spec.loader.exec_module(prefill)
     with_pool = set(prefill.specs(fuzz=True))
     assert set(launcher_pool()) <= with_pool
-    want = set(launcher_pool() + split_launchers() + paged_launchers())
+    want = set(launcher_pool() + split_launchers() + paged_launchers() + kvcache_launchers())
     shipped = {s for s in want if not hasattr(s, "page_size") or supports(s) is None}  # paged: page sizes it runs
     assert with_pool - set(prefill.specs()) == shipped - set(prefill.specs())
 

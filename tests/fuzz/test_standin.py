@@ -105,10 +105,8 @@ def test_every_front_end_runs_end_to_end_with_stand_in_kernels(front_end, standi
         checks = harness.run_one(cfg, collector, "cpu")
         names = [c.name for c in checks if c.name != "refusal"]
         routes = harness.routes_of(cfg)
-        judged = lambda r: harness.QUANTITIES if r != "paged" else ("out",) if front_end == "jax" else (  # noqa: E731
-            "out", "lse")  # paged: forward only (JAX: Pallas' call returns no lse)
         assert names == (list(harness.QUANTITIES) if len(routes) == 1 else
-                         [f"{n}@{r}" for r in routes for n in judged(r)])
+                         [f"{n}@{r}" for r in routes for n in harness.quantities_of(r, front_end)])
         assert all(c.ok and c.ratio < 0.7 for c in checks), (cfg.describe(), checks)
     calls = numpy_launcher.CALLS if front_end == "jax" else stubs.CALLS
     assert len(calls) >= 6  # a forward and a backward per configuration reached the stand-in
