@@ -379,53 +379,95 @@ def kvcache_refused(cfg: Config) -> str | None:
     return None
 
 
-def run_torch_kvcache(cfg: Config, inp: Inputs, device) -> dict:
-    """The KV-cache call (issue #43, FlashAttention's ``flash_attn_with_kvcache`` names): ``xt.attention_with_kvcache``
-    on each sequence's keys in a cache of spare rows (finite random values past its length; FlashAttention's layout
-    or HF's heads-major one, transposed), the last ``appended`` keys of each sequence written by the call itself
-    (``k``/``v`` at ``cache_seqlens = L - appended``), per-sequence device lengths (:func:`_kvcache_plan`). A packed
-    draw runs as the dense problem of ``Nq`` = its longest document's queries: document b's queries in the last
-    rows of its Nq (so the bottom-right alignment holds), random rows before them, dropped; rows past
-    ``cu_seqlens_q[-1]`` read out 0 and lse -inf, as the packed call's. Forward only: out and lse in the draw's
-    layout."""
-    import xattn.torch as xt
-
+def _kvcache_call(cfg: Config, inp: Inputs, device, heads_major: bool):
+    """The KV-cache call's buffers (torch, on ``device``): ``(q [B, Nq, Hq, D], k_cache, v_cache, k, v, lengths,
+    expected)``: each sequence's keys in a cache of spare rows (finite random values past its length; HF's
+    heads-major cache transposed when ``heads_major``), its last ``appended`` keys as k/v ``[B, appended, Hkv, D]``
+    (None when 0) with ``lengths = L - appended``, and the caches as they must read after the append. A packed draw
+    is the dense problem of ``Nq`` = its longest document's queries: document b's queries in the last rows of its
+    Nq (so the bottom-right alignment holds), random rows before them."""
     e = cfg.entry
-    lens_q, lens_k, nq, capacity, appended, heads_major = _kvcache_plan(cfg)
+    lens_q, lens_k, nq, capacity, appended, _ = _kvcache_plan(cfg)
     b, hq, hkv = len(lens_q), cfg.heads_q, cfg.heads_kv
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     dt = inp.q.dtype
     q = torch.randn(b, nq, hq, e.head_dim, generator=gen, device=device, dtype=dt)
     caches = []
-    for t, d in ((inp.k, e.head_dim), (inp.v, e.head_dim_v)):
+    for d in (e.head_dim, e.head_dim_v):
         shape = (b, hkv, capacity, d) if heads_major else (b, capacity, hkv, d)
         cache = torch.randn(shape, generator=gen, device=device, dtype=dt)
         caches.append(cache.transpose(1, 2) if heads_major else cache)
+    expected = [c.clone() for c in caches]
     new = [torch.empty(b, appended, hkv, d, device=device, dtype=dt) for d in (e.head_dim, e.head_dim_v)]
-    cu_q = [0, *itertools.accumulate(lens_q)]
-    cu_k = [0, *itertools.accumulate(lens_k)]
+    cu_q, cu_k = [0, *itertools.accumulate(lens_q)], [0, *itertools.accumulate(lens_k)]
     for i in range(b):
-        rows_q = inp.q[cu_q[i]:cu_q[i + 1]] if cfg.varlen else inp.q[i]
-        q[i, nq - lens_q[i]:] = rows_q
-        for cache, rows_new, t in zip(caches, new, (inp.k, inp.v)):
+        q[i, nq - lens_q[i]:] = inp.q[cu_q[i]:cu_q[i + 1]] if cfg.varlen else inp.q[i]
+        kept = lens_k[i] - appended
+        for cache, full, rows_new, t in zip(caches, expected, new, (inp.k, inp.v)):
             keys = t[cu_k[i]:cu_k[i + 1]] if cfg.varlen else t[i]
-            kept = lens_k[i] - appended
             cache[i, :kept] = keys[:kept]
+            full[i, :lens_k[i]] = keys
             rows_new[i] = keys[kept:]
-    causal, window = _mask_args(cfg)
     lengths = torch.tensor([n - appended for n in lens_k], dtype=torch.int32, device=device)
-    kv = dict(k=new[0], v=new[1]) if appended else {}
-    out, lse = xt.attention_with_kvcache(q, caches[0], caches[1], cache_seqlens=lengths, softmax_scale=cfg.scale,
-                                         causal=causal, window_size=window, return_softmax_lse=True,
-                                         family=e.family, **kv)
+    k, v = new if appended else (None, None)
+    return q, caches[0], caches[1], k, v, lengths, expected
+
+
+def _kvcache_result(cfg: Config, out, lse, caches, expected) -> dict:
+    """out/lse of the KV-cache call in ``cfg``'s layout (packed: each document's rows, rows past
+    ``cu_seqlens_q[-1]`` out 0 and lse -inf, as the packed call's); AssertionError if the caches do not read
+    ``expected`` after the append (the rows past each length as they were, the appended ones written)."""
+    for got, want, name in zip(caches, expected, ("k_cache", "v_cache")):
+        if not torch.equal(got, want):
+            raise AssertionError(f"kvcache: {name} after the call differs from its keys with the new rows appended")
     if not cfg.varlen:
         return {"out": out, "lse": lse}
-    got_out = torch.zeros(cfg.total_q, hq, e.head_dim_v, device=device, dtype=out.dtype)
-    got_lse = torch.full((hq, cfg.total_q), float("-inf"), device=device, dtype=lse.dtype)
-    for i in range(b):
-        got_out[cu_q[i]:cu_q[i + 1]] = out[i, nq - lens_q[i]:]
-        got_lse[:, cu_q[i]:cu_q[i + 1]] = lse[i, :, nq - lens_q[i]:]
+    lens_q, _, nq, _, _, _ = _kvcache_plan(cfg)
+    got_out = torch.zeros(cfg.total_q, *out.shape[2:], device=out.device, dtype=out.dtype)
+    got_lse = torch.full((lse.shape[1], cfg.total_q), float("-inf"), device=lse.device, dtype=lse.dtype)
+    cu_q = [0, *itertools.accumulate(lens_q)]
+    for i, n in enumerate(lens_q):
+        got_out[cu_q[i]:cu_q[i + 1]] = out[i, nq - n:]
+        got_lse[:, cu_q[i]:cu_q[i + 1]] = lse[i, :, nq - n:]
     return {"out": got_out, "lse": got_lse}
+
+
+def run_torch_kvcache(cfg: Config, inp: Inputs, device) -> dict:
+    """The KV-cache call (issue #43, FlashAttention's ``flash_attn_with_kvcache`` names): ``xt.attention_with_kvcache``
+    with per-sequence device lengths on the buffers of :func:`_kvcache_call` (HF's heads-major cache in some draws),
+    appending in place. Forward only: out and lse (:func:`_kvcache_result`)."""
+    import xattn.torch as xt
+
+    q, k_cache, v_cache, k, v, lengths, expected = _kvcache_call(cfg, inp, device, _kvcache_plan(cfg)[5])
+    causal, window = _mask_args(cfg)
+    out, lse = xt.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, softmax_scale=cfg.scale,
+                                         causal=causal, window_size=window, return_softmax_lse=True,
+                                         family=cfg.entry.family)
+    return _kvcache_result(cfg, out, lse, (k_cache, v_cache), expected)
+
+
+def run_jax_kvcache(cfg: Config, inp: Inputs, device) -> dict:
+    """The KV-cache call of JAX: ``xattn.jax.attention_with_kvcache`` on the buffers of :func:`_kvcache_call`
+    (compact arrays), lengths traced under the option ``jit``, the caches returned updated. Forward only: out and
+    lse (:func:`_kvcache_result`)."""
+    import jax
+
+    import xattn.jax as xj
+
+    q, k_cache, v_cache, k, v, lengths, expected = _kvcache_call(cfg, inp, device, False)
+    causal, window = _mask_args(cfg)
+    kw = dict(scale=cfg.scale, causal=causal, window_size=window, return_softmax_lse=True, family=cfg.entry.family,
+              backend=cfg.opt("backend", "kernel"))
+
+    def call(q, k_cache, v_cache, k, v, lengths):
+        return xj.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, **kw)
+
+    fn = jax.jit(call) if cfg.opt("jit") else call
+    _sync(device)
+    res = jax.block_until_ready(fn(*(None if t is None else _to_jax(t) for t in (q, k_cache, v_cache, k, v,
+                                                                                  lengths))))
+    out, lse, k_new, v_new = (torch.from_dlpack(x).to(device) for x in res)
+    return _kvcache_result(cfg, out, lse, (k_new, v_new), expected)
 
 
 def _kvcache_problem(cfg: Config):
@@ -548,9 +590,10 @@ def routes_of(cfg: Config) -> list[str]:
         names.append("split-kv")  # the forward route of decoding (its backward: the default)
     if cfg.front_end == "torch" and cfg.opt("entry") != "flash_attn_func" and not _paged_refused(cfg, e.causal):
         names.append("paged")  # the same keys through a page table (forward only; packed: vLLM's call)
-    if cfg.front_end == "torch" and not kvcache_refused(cfg):  # FlashAttention's KV-cache call, each route forced
+    if not kvcache_refused(cfg):  # FlashAttention's KV-cache call (torch and JAX), each forward route forced
         names.append("kvcache:fused")
-        if routes.why_not_forward("split-kv", _kvcache_problem(cfg)) is None:
+        kernels = cfg.opt("backend", "kernel") == "kernel"  # (JAX's reference backend has no routes)
+        if kernels and routes.why_not_forward("split-kv", _kvcache_problem(cfg)) is None:
             names.append("kvcache:split-kv")
     if cfg.front_end == "jax" and not cfg.varlen and cfg.seqlen_q == 1 and e.window == (None, None) and \
             cfg.opt("backend", "kernel") == "kernel" and not _paged_refused(cfg, False):
@@ -619,8 +662,9 @@ def evaluate(cfg: Config, device="cuda") -> list[Check]:
             checks.append(check)
             continue
         with _forcing(route):
-            run = run_torch_paged if route == "paged" else run_torch_kvcache if route.startswith("kvcache:") else \
-                RUNNERS[cfg.front_end]
+            run = run_torch_paged if route == "paged" else RUNNERS[cfg.front_end]
+            if route.startswith("kvcache:"):
+                run = run_torch_kvcache if cfg.front_end == "torch" else run_jax_kvcache
             got = run(cfg, inp, device)
         _sync(device)
         if ref64 is None:
