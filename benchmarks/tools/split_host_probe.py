@@ -3,7 +3,7 @@ where the host time goes (cProfile by function, torch.profiler by CPU op) for th
 far above ``ms_graph`` in ``benchmarks/results/decode_attention_h200.json``.
 
     python benchmarks/tools/split_host_probe.py [--shapes d512:1:4:8192,d128:1:1:8192]   # name:B:Nq:Nk
-        [--calls contiguous,fused,kvcache,paged64,packed,vllm64] [--profile]
+        [--calls contiguous,fused,kvcache,paged64,packed,vllm64] [--profile] [--legacy-side]
 """
 from __future__ import annotations
 
@@ -30,7 +30,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="d512:1:1:8192,d512:1:4:8192,d128:1:1:8192")
     ap.add_argument("--calls", default="contiguous,fused", help=f"of {','.join(CALLS)}")
     ap.add_argument("--profile", action="store_true", help="cProfile and torch.profiler tables of each call")
+    ap.add_argument("--legacy-side", action="store_true",
+                    help="the causal tail's second stream as before session 20 (torch.cuda's Python stream wrappers), "
+                         "to time against the default in the same process")
     args = ap.parse_args()
+    if args.legacy_side:
+        from xattn.torch import split_kv
+
+        split_kv.Side = _LegacySide
     for item in args.shapes.split(","):
         name, b, nq, nk = item.split(":")
         d, hq, hkv = SHAPES[name]
@@ -118,6 +125,43 @@ def _vllm(b, nq, nk, d, hq, hkv):
 
 CALLS = {"contiguous": _contiguous, "fused": lambda *a: _contiguous(*a, splits=1), "kvcache": _kvcache,
          "paged64": _paged_call, "packed": _packed, "vllm64": _vllm}
+
+
+class _LegacySide:
+    """The second stream of the causal tail before session 20: torch.cuda's Python stream wrappers and a fresh
+    event per wait (``Stream.wait_stream``), the A/B baseline of ``--legacy-side``."""
+
+    _streams: dict = {}
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.stream = self._streams.get(device.index)
+            if self.stream is None:
+                self.stream = self._streams[device.index] = torch.cuda.Stream(device)
+
+    def __bool__(self):
+        return True
+
+    def fork(self):
+        return self.after_main()
+
+    def after_main(self):
+        import contextlib
+
+        import torch
+
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(self.main)
+        return torch.cuda.stream(self.stream)
+
+    def join(self):
+        if self.cuda:
+            self.main.wait_stream(self.stream)
 
 
 def _profile(label, fn):
