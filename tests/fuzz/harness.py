@@ -379,15 +379,17 @@ def kvcache_refused(cfg: Config) -> str | None:
     return None
 
 
-def _kvcache_call(cfg: Config, inp: Inputs, device, heads_major: bool):
+def _kvcache_call(cfg: Config, inp: Inputs, device, compact: bool = False):
     """The KV-cache call's buffers (torch, on ``device``): ``(q [B, Nq, Hq, D], k_cache, v_cache, k, v, lengths,
-    expected)``: each sequence's keys in a cache of spare rows (finite random values past its length; HF's
-    heads-major cache transposed when ``heads_major``), its last ``appended`` keys as k/v ``[B, appended, Hkv, D]``
-    (None when 0) with ``lengths = L - appended``, and the caches as they must read after the append. A packed draw
-    is the dense problem of ``Nq`` = its longest document's queries: document b's queries in the last rows of its
-    Nq (so the bottom-right alignment holds), random rows before them."""
+    expected)``: each sequence's keys in a cache of spare rows (finite random values past its length; in the draws
+    of :func:`_kvcache_plan` that say so, HF's heads-major cache transposed, unless ``compact``: JAX arrays), its
+    last ``appended`` keys as k/v ``[B, appended, Hkv, D]`` (None when 0) with ``lengths = L - appended``, and the
+    caches as they must read after the append. A packed draw is the dense problem of ``Nq`` = its longest document's
+    queries: document b's queries in the last rows of its Nq (so the bottom-right alignment holds), random rows
+    before them."""
     e = cfg.entry
-    lens_q, lens_k, nq, capacity, appended, _ = _kvcache_plan(cfg)
+    lens_q, lens_k, nq, capacity, appended, heads_major = _kvcache_plan(cfg)
+    heads_major = heads_major and not compact
     b, hq, hkv = len(lens_q), cfg.heads_q, cfg.heads_kv
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     dt = inp.q.dtype
@@ -438,7 +440,7 @@ def run_torch_kvcache(cfg: Config, inp: Inputs, device) -> dict:
     appending in place. Forward only: out and lse (:func:`_kvcache_result`)."""
     import xattn.torch as xt
 
-    q, k_cache, v_cache, k, v, lengths, expected = _kvcache_call(cfg, inp, device, _kvcache_plan(cfg)[5])
+    q, k_cache, v_cache, k, v, lengths, expected = _kvcache_call(cfg, inp, device)
     causal, window = _mask_args(cfg)
     out, lse = xt.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, softmax_scale=cfg.scale,
                                          causal=causal, window_size=window, return_softmax_lse=True,
@@ -454,7 +456,7 @@ def run_jax_kvcache(cfg: Config, inp: Inputs, device) -> dict:
 
     import xattn.jax as xj
 
-    q, k_cache, v_cache, k, v, lengths, expected = _kvcache_call(cfg, inp, device, False)
+    q, k_cache, v_cache, k, v, lengths, expected = _kvcache_call(cfg, inp, device, compact=True)
     causal, window = _mask_args(cfg)
     kw = dict(scale=cfg.scale, causal=causal, window_size=window, return_softmax_lse=True, family=cfg.entry.family,
               backend=cfg.opt("backend", "kernel"))
