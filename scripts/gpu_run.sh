@@ -11,7 +11,8 @@
 #                (rows of the part already measured are kept: a part cut short resumes)
 #   redo-PART    the same, but the part's earlier rows are dropped and measured anew
 #   split-kernels  benchmarks/tools/split_kv_probe.py kernels (CUDA time per kernel of one split-KV call; SPLIT_PROBE_SHAPES)
-#   split-host   benchmarks/tools/split_host_probe.py (host time of a split-KV decode call, where it goes; SPLIT_HOST_SHAPES)
+#   split-host   benchmarks/tools/split_host_probe.py (host time of a decode call, where it goes; SPLIT_HOST_SHAPES,
+#                SPLIT_HOST_CALLS, SPLIT_HOST_PROFILE=1 for the cProfile / torch.profiler tables)
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
 #   e2e-PART     benchmarks/e2e_gemma4.py --parts PART (torch or jax) -> $OUT/results/e2e_gemma4_h200.json, continuing
@@ -88,7 +89,8 @@ for step in "$@"; do
               --out "$OUT/results/continuous_batching_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -20 ;;
     split-kernels) timeout "$t" python benchmarks/tools/split_kv_probe.py kernels 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -60 ;;
-    split-host) timeout "$t" python benchmarks/tools/split_host_probe.py ${SPLIT_HOST_SHAPES:+--shapes "$SPLIT_HOST_SHAPES"} 2>&1 \
+    split-host) timeout "$t" python benchmarks/tools/split_host_probe.py ${SPLIT_HOST_SHAPES:+--shapes "$SPLIT_HOST_SHAPES"} \
+              ${SPLIT_HOST_CALLS:+--calls "$SPLIT_HOST_CALLS"} ${SPLIT_HOST_PROFILE:+--profile} 2>&1 \
               | grep --line-buffered -v Warning | tee -a "$OUT/probe.log" | tail -20 ;;
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
     e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep --line-buffered -v Warning \

@@ -113,8 +113,9 @@ def specs(recorded=None, fuzz=False):
                 add(family, d, d, g, causal, varlen=True, dtype=dtype, directions=("fwd",))
             out.append(CombineSpec(family, dtype, d))
     add("fa4", 128, 128, 4, False, varlen=True, window=(64, 0), directions=("fwd",))  # tests/torch/test_kvcache_gpu.py
+    # tests/torch/test_paged_gpu.py and the decode bench's paged rows; d96: benchmarks/tools/paged_tile_probe.py
     paged = [("ffpa", 512, (8, 4), (64, 256)), ("ffpa", 384, (1,), (128,)), ("fa4", 128, (8, 4), (16, 64, 128, 256)),
-             ("fa4", 256, (2,), (64, 256))]  # tests/torch/test_paged_gpu.py and the decode bench's paged rows
+             ("fa4", 256, (2,), (64, 256)), ("fa4", 96, (2,), (16, 128))]
     for family, d, gs, sizes in paged:
         for g in gs:
             for ps in sizes:
@@ -133,7 +134,11 @@ def specs(recorded=None, fuzz=False):
         out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, page_size=ps, kv_heads_first=True))
     out.append(CombineSpec("ffpa", "bfloat16", 384))
     from xattn.core.paged import PagedMetaSpec
-    out += [PagedMetaSpec(family, tail) for family in ("ffpa", "fa4") for tail in (False, True)]  # the paged splits
+    out += [PagedMetaSpec(family, tail, packed) for family in ("ffpa", "fa4") for tail in (False, True)
+            for packed in (False, True)]  # the paged split route's index kernel
+    from xattn.core.split_kv import SplitMetaSpec
+    out += [SplitMetaSpec(family, tail, packed) for family in ("ffpa", "fa4") for tail in (False, True)
+            for packed in (False, True)]  # the contiguous split route's, with device lengths
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

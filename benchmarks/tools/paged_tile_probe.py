@@ -1,11 +1,9 @@
 """FA4 paged forward against fp64 where the key tile and the page size do or do not nest (GPU machine).
 
 d96 non-causal runs FA4's sm90 forward with a 144-row key tile; the contract fuzz found a wrong paged result there
-(session 18). This probe (session 19, H100, ``benchmarks/results/logs/session19_h100_paged_tile_probe.log``) found
-it wrong at pages of 16 and 128 alike (max errors 0.13-0.64: not a page/tile nesting problem), and the causal
-config's 128-row tile right (1e-4). The fix under test (branch ``wip/session19-packed-index-d96``): build the
-unmasked kernel with that 128-row tile. Random pools of shuffled pages, three sequences of 1066 keys; prints the max
-error against fp64 per case (the support matrix's refusal is bypassed here).
+(session 18), and this probe (session 19, H100) found it wrong at pages of 16 and 128 alike (errors 0.13-0.64),
+with the causal config's 128-row tile right (1e-4): xattn.core.paged_sm90 now builds that kernel with 128 rows.
+Random pools of shuffled pages, three sequences of 1066 keys; prints the max error against fp64 per case.
 
     python benchmarks/tools/paged_tile_probe.py
 """
@@ -38,7 +36,7 @@ def case(d: int, causal: bool, ps: int, nq: int, splits: int, b: int = 3, nk: in
     if causal:
         s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device="cuda").triu(nk - nq + 1), float("-inf"))
     want = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
-    tile = _tile_size_fwd_sm90(d, d, causal, False).n_block_size
+    tile = _tile_size_fwd_sm90(d, d, causal, False).n_block_size  # flash_attn's own (xattn's paged d96: 128)
     err = (out.double() - want).abs().amax(dim=(1, 2, 3)).tolist()
     print(f"d{d} causal={causal} page={ps} tile_n={tile} nq={nq} num_splits={splits}: max err per sequence "
           f"{[round(e, 4) for e in err]}", flush=True)

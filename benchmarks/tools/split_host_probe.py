@@ -3,6 +3,7 @@ where the host time goes (cProfile by function, torch.profiler by CPU op) for th
 far above ``ms_graph`` in ``benchmarks/results/decode_attention_h200.json``.
 
     python benchmarks/tools/split_host_probe.py [--shapes d512:1:4:8192,d128:1:1:8192]   # name:B:Nq:Nk
+        [--calls contiguous,fused,kvcache,paged64,packed,vllm64] [--profile] [--legacy-side]
 """
 from __future__ import annotations
 
@@ -24,42 +25,164 @@ def main() -> None:
     import torch
     from host_cost import gpu_us, us_per_call
 
-    import xattn.torch as xt
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="d512:1:1:8192,d512:1:4:8192,d128:1:1:8192")
+    ap.add_argument("--calls", default="contiguous,fused", help=f"of {','.join(CALLS)}")
+    ap.add_argument("--profile", action="store_true", help="cProfile and torch.profiler tables of each call")
+    ap.add_argument("--legacy-side", action="store_true",
+                    help="the causal tail's second stream as before session 20 (torch.cuda's Python stream wrappers), "
+                         "to time against the default in the same process")
     args = ap.parse_args()
+    if args.legacy_side:
+        from xattn.torch import split_kv
+
+        split_kv.Side = _LegacySide
     for item in args.shapes.split(","):
         name, b, nq, nk = item.split(":")
         d, hq, hkv = SHAPES[name]
         b, nq, nk = int(b), int(nq), int(nk)
-        g = torch.Generator(device="cuda").manual_seed(nk + nq)
-        q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         with torch.no_grad():
-            for splits in (0, 1):
-                fn = lambda: xt.attention(q, k, v, causal=True, num_splits=splits)  # noqa: E731
+            for call in args.calls.split(","):
+                fn = CALLS[call](b, nq, nk, d, hq, hkv)
                 host = us_per_call(fn, torch.cuda.synchronize, n=100, loops=10)
-                print(f"{item} num_splits={splits}: host {host:.1f} us/call, stream {gpu_us(fn, 100):.1f} us/call",
-                      flush=True)
-            fn = lambda: xt.attention(q, k, v, causal=True)  # noqa: E731
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(300):
-                fn()
-            prof.disable()
-            torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-            print(f"--- {item} cProfile, 300 calls (tottime) ---\n" + "\n".join(s.getvalue().splitlines()[6:30]))
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as p:
-                for _ in range(50):
-                    fn()
-                torch.cuda.synchronize()
-            print(f"--- {item} torch.profiler, 50 calls ---")
-            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+                print(f"{item} {call}: host {host:.1f} us/call, stream {gpu_us(fn, 100):.1f} us/call", flush=True)
+                if args.profile:
+                    _profile(f"{item} {call}", fn)
+
+
+def _inputs(b, nq, nk, d, hq, hkv):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(nk + nq)
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def _paged(b, nq, nk, d, hq, hkv, page=64):
+    """q and the same keys in a pool of shuffled pages, its table and lengths (a few keys short of full)."""
+    import torch
+
+    q, k, v = _inputs(b, nq, nk, d, hq, hkv)
+    pages = b * nk // page
+    order = torch.randperm(pages, device="cuda")
+    pool_k = k.reshape(pages, page, hkv, d)[order.argsort()]
+    pool_v = v.reshape(pages, page, hkv, d)[order.argsort()]
+    table = order.view(b, nk // page).to(torch.int32)
+    return q, pool_k, pool_v, table, torch.full((b,), nk - 3, dtype=torch.int32, device="cuda")
+
+
+def _contiguous(b, nq, nk, d, hq, hkv, splits=0):
+    import xattn.torch as xt
+
+    q, k, v = _inputs(b, nq, nk, d, hq, hkv)
+    return lambda: xt.attention(q, k, v, causal=True, num_splits=splits)
+
+
+def _kvcache(b, nq, nk, d, hq, hkv):
+    import torch
+
+    import xattn.torch as xt
+
+    q, k, v = _inputs(b, nq, nk, d, hq, hkv)
+    lengths = torch.full((b,), nk - 3, dtype=torch.int32, device="cuda")
+    return lambda: xt.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)
+
+
+def _paged_call(b, nq, nk, d, hq, hkv):
+    import xattn.torch as xt
+
+    q, pool_k, pool_v, table, lengths = _paged(b, nq, nk, d, hq, hkv)
+    return lambda: xt.attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=lengths, page_table=table, causal=True)
+
+
+def _packed(b, nq, nk, d, hq, hkv):
+    import torch
+
+    import xattn.torch as xt
+
+    q, k, v = _inputs(b, nq, nk, d, hq, hkv)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda") * nq
+    cu_k = torch.arange(b + 1, dtype=torch.int32, device="cuda") * nk
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    return lambda: xt.attention(flat(q), flat(k), flat(v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=nq,
+                                max_seqlen_k=nk, causal=True)
+
+
+def _vllm(b, nq, nk, d, hq, hkv):
+    import torch
+
+    import xattn.torch as xt
+
+    q, pool_k, pool_v, table, lengths = _paged(b, nq, nk, d, hq, hkv)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda") * nq
+    q = q.reshape(b * nq, hq, d)
+    return lambda: xt.paged_attention(q, pool_k, pool_v, table, lengths, cu_seqlens_q=cu_q, max_seqlen_q=nq,
+                                      causal=True)
+
+
+CALLS = {"contiguous": _contiguous, "fused": lambda *a: _contiguous(*a, splits=1), "kvcache": _kvcache,
+         "paged64": _paged_call, "packed": _packed, "vllm64": _vllm}
+
+
+class _LegacySide:
+    """The second stream of the causal tail before session 20: torch.cuda's Python stream wrappers and a fresh
+    event per wait (``Stream.wait_stream``), the A/B baseline of ``--legacy-side``."""
+
+    _streams: dict = {}
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.stream = self._streams.get(device.index)
+            if self.stream is None:
+                self.stream = self._streams[device.index] = torch.cuda.Stream(device)
+
+    def __bool__(self):
+        return True
+
+    def fork(self):
+        return self.after_main()
+
+    def after_main(self):
+        import contextlib
+
+        import torch
+
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(self.main)
+        return torch.cuda.stream(self.stream)
+
+    def join(self):
+        if self.cuda:
+            self.main.wait_stream(self.stream)
+
+
+def _profile(label, fn):
+    import torch
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    print(f"--- {label} cProfile, 300 calls (tottime) ---\n" + "\n".join(s.getvalue().splitlines()[6:30]))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as p:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+    print(f"--- {label} torch.profiler, 50 calls ---")
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import tvm_ffi
 
 from xattn.core import cache
 from xattn.core.paged import PagedMetaSpec
+from xattn.core.split_kv import SplitMetaSpec
 from xattn.core.spec import KernelSpec
 
 pytestmark = pytest.mark.compile
@@ -66,7 +67,11 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     KernelSpec("ffpa", "fwd", "bfloat16", 512, 512, 8, page_size=64, kv_heads_first=True),  # JAX's pool layout
     KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=128, kv_heads_first=True))]
 # The paged split route's index kernel (xattn.core.paged_meta_sm90), with and without a causal tail.
-SHIPPED += [pytest.param(s, id=s.short_name()) for s in (PagedMetaSpec("ffpa", True), PagedMetaSpec("fa4", False))]
+SHIPPED += [pytest.param(s, id=s.short_name()) for s in (PagedMetaSpec("ffpa", True), PagedMetaSpec("fa4", False),
+                                                           PagedMetaSpec("ffpa", True, True))]
+# The contiguous split route's index kernel (xattn.core.split_meta_sm90).
+SHIPPED += [pytest.param(s, id=s.short_name()) for s in (SplitMetaSpec("ffpa", True),
+                                                           SplitMetaSpec("fa4", False, True))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 
@@ -115,3 +120,23 @@ def test_paged_ffpa_maps_the_key_and_value_copies_only_and_restores_its_names():
     compile_paged(KernelSpec("ffpa", "fwd", "bfloat16", 384, 384, 2, True, page_size=128), mapped)
     assert mapped == [2]
     assert module.SeqlenInfoQK is SeqlenInfoQK and module.copy_utils is copy_utils
+
+
+def test_fa4_d96_unmasked_paged_kernel_is_built_with_the_128_row_tile(monkeypatch):
+    """flash_attn.cute's d96 unmasked config (a 144-row key tile) gave wrong paged results on the GPU
+    (xattn.core.paged_sm90): the paged launcher takes the causal config's 128-row tile; the unpaged launchers and
+    the other head dims keep flash_attn's own."""
+    from xattn.core import paged_sm90
+
+    built = []
+
+    class Recorder:
+        def __init__(self, *args, tile_n, **kwargs):
+            built.append(tile_n)
+            raise StopIteration  # recorded: no compile needed
+
+    monkeypatch.setattr(paged_sm90, "FlashAttentionForwardSm90", Recorder)
+    for d, causal in ((96, False), (96, True), (128, False), (256, False)):
+        with pytest.raises(StopIteration):
+            paged_sm90.compile_paged(KernelSpec("fa4", "fwd", "bfloat16", d, d, 2, causal, page_size=128))
+    assert built == [128, 128, 128, 80]

@@ -176,8 +176,8 @@ def _stub_paged():
 
 
 def _stub_paged_meta():
-    def run(spec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size, seqlen_q, tiles_per_page=1,
-            stream=None):
+    def run(spec, lengths, page_table, kv_meta, tail_meta, lse_fill, packed=None, *, page_size, seqlen_q,
+            tiles_per_page=1, stream=None):
         """The index kernel's contract (xattn.core.api.launch_paged_meta) from the core's host rule
         (xattn.core.paged.entry_bounds): entry s * B + b, its keys then its table columns (0 past the table), the
         table's pages read as ``tiles_per_page`` pages of ``page_size`` rows each."""
@@ -196,7 +196,48 @@ def _stub_paged_meta():
                 cols = [table[i][min(first + c, columns - 1)] for c in range(tail_meta.shape[1] - 1)]
                 tail_meta[i] = torch.tensor([keys] + cols)
         lse_fill.fill_(float("-inf"))
+        assert (packed is not None) == spec.packed
+        _packed_gathers(packed, b, seqlen_q)
         CALLS.append(("paged_meta", spec.family))
+    return run
+
+
+def _packed_gathers(packed, b, nq):
+    """The packed queries' gathers (xattn.core.split_kv "Packed queries"), host loops: dense row (i, k) reads packed
+    row cu[i + 1] - Nq + k (clamped), packed row t of sequence i reads dense row i Nq + k back, others the sentinel
+    B Nq; the zero row zeroed."""
+    if packed is None:
+        return
+    cu_q, q_rows, out_rows, zero = packed
+    cu, tq = cu_q.tolist(), out_rows.shape[0]
+    out_rows.fill_(b * nq)
+    for i in range(b):
+        for k in range(nq):
+            t = cu[i + 1] - nq + k
+            q_rows[i * nq + k] = min(max(t, 0), tq - 1)
+            if cu[i] <= t < tq:
+                out_rows[t] = i * nq + k
+    zero.zero_()
+
+
+def _stub_split_meta():
+    def run(spec, keys, cu_k, tail_k, lse_fill, packed=None, *, batch, rows, key_rows, seqlen_q, splits, chunk,
+            stream=None):
+        """The contiguous index kernel's contract (xattn.core.api.launch_split_meta) from the torch formulation it
+        replaced (xattn.torch.split_kv.device_cu_seqlens_k) and host loops for the packed gathers."""
+        from xattn.core.split_kv import SplitPlan
+        from xattn.torch.split_kv import device_cu_seqlens_k
+
+        assert (packed is not None) == spec.packed
+        plan = SplitPlan(splits, spec.tail, chunk)
+        lengths, starts = (keys[1:] - keys[:-1], keys[:-1]) if rows < 0 else (keys, None)
+        want, want_tail = device_cu_seqlens_k(plan, seqlen_q, max(rows, 0), key_rows, lengths, starts)
+        cu_k.copy_(want)
+        if spec.tail:
+            tail_k.copy_(want_tail)
+        lse_fill.fill_(float("-inf"))
+        _packed_gathers(packed, batch, seqlen_q)
+        CALLS.append(("split_meta", spec.family))
     return run
 
 
@@ -212,7 +253,7 @@ def paged_spec_any_head_dim(family, dtype, d, dv, g, causal, left, right, page_s
 _real_paged_spec = ops.paged_spec
 _REPLACED = {
     "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd(), "combine": _stub_combine(), "paged": _stub_paged(),
-               "paged_meta": _stub_paged_meta()},
+               "paged_meta": _stub_paged_meta(), "split_meta": _stub_split_meta()},
     "validate": lambda: validate_any_head_dim,
     "paged_spec": lambda: paged_spec_any_head_dim,
     "check_buffers": lambda: check_shapes_only,

@@ -259,115 +259,57 @@ def test_paged_decode_follows_the_forward_route_request():
             call(family="fa4", window_size=(8, 0))
 
 
-def test_fa4_d96_unmasked_paged_kernel_is_refused_and_causal_decode_stays_fused():
-    """FA4's d96 paged forward without a mask (its 144-row key tile) failed the H200 fuzz: the support matrix refuses
-    it by name, so the causal decode that would split (unmasked split launches) runs one causal launch instead,
-    matching fp64; an unmasked d96 paged call raises NotImplementedError before any launch."""
+def test_fa4_d96_unmasked_paged_kernel_is_supported_and_causal_decode_splits():
+    """FA4's d96 paged forward without a mask failed the H200 fuzz with its 144-row key tile; xattn builds it with
+    the causal config's 128-row tile (tests/core/test_compile_sm90.py), so the support matrix takes it again and a
+    causal d96 decode takes the split route (unmasked split launches), matching fp64."""
     from xattn.core.spec import KernelSpec, supports
 
-    refused = supports(KernelSpec("fa4", "fwd", "float16", 96, 96, 2, False, False, page_size=128))
-    assert refused and "head dim 96" in refused
-    for causal, window in ((True, (None, None)), (False, (64, 0))):
+    for causal, window in ((False, (None, None)), (True, (None, None)), (False, (64, 0))):
         assert supports(KernelSpec("fa4", "fwd", "float16", 96, 96, 2, causal, False, *window, page_size=128)) is None
-    assert supports(KernelSpec("fa4", "fwd", "float16", 128, 128, 2, False, False, page_size=128)) is None
-
     g = torch.Generator().manual_seed(96)
     lengths = [1066, 1066, 900]
     k_pool, v_pool, table = _paged_cache(lengths, 9, 128, 4, 96, g)
     q = torch.randn(3, 3, 8, 96, generator=g, dtype=torch.float64)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    CALLS.clear()
-    out = xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=True, family="fa4")
-    assert CALLS == [("paged", "fa4")]  # one causal launch: no split, no combine
-    want, _ = _expected(q, k_pool, v_pool, table, lengths, True, (None, None), 96 ** -0.5)
-    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
-    with pytest.raises(NotImplementedError, match="head dim 96"):
-        xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=False, family="fa4")
+    for causal in (True, False):
+        CALLS.clear()
+        out = xt.paged_attention(q, k_pool, v_pool, table, seqlens, causal=causal, num_splits=3, family="fa4")
+        assert ("combine", "fa4") in CALLS, CALLS
+        want, _ = _expected(q, k_pool, v_pool, table, lengths, causal, (None, None), 96 ** -0.5)
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family, nq, b", [("ffpa", 1, 1), ("ffpa", 4, 1), ("fa4", 1, 1), ("ffpa", 1, 3)])
-def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(family, nq, b, monkeypatch):
+@pytest.mark.parametrize("family, nq, b, packed", [("ffpa", 1, 1, False), ("ffpa", 4, 1, False), ("fa4", 1, 1, False),
+                                                   ("ffpa", 1, 3, False), ("ffpa", 1, 1, True), ("fa4", 4, 3, True)])
+def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(family, nq, b, packed, monkeypatch):
     """A decode step on the paged split route (lengths and table already int32 on the device) launches the index
     kernel, the split (and causal tail) launches and the combine, and no framework kernel but the queries' one
     broadcast copy at B > 1 (the index arithmetic, table copies and fills of the torch version were 4-14 kernels,
-    each a launch on the decode step's critical path)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    each a launch on the decode step's critical path); vLLM's packed call adds three gathers (q in, out and lse
+    back: 13 more kernels before)."""
     from xattn.core import routes
-    from xattn.torch import ops
 
-    class Kernels(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-            self.inside = 0  # ops of a stand-in launch are the kernel's, not the step's
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.inside and (torch.Tag.pointwise in func.tags or func.__name__.split(".")[0] in _COMPUTING):
-                self.ops.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
-    seen = Kernels()
-
-    def quiet(launch):
-        def run(*args, **kwargs):
-            seen.inside += 1
-            try:
-                return launch(*args, **kwargs)
-            finally:
-                seen.inside -= 1
-        return run
-    monkeypatch.setattr(ops, "LAUNCH", {name: quiet(fn) for name, fn in ops.LAUNCH.items()})
+    from .framework_kernels import counting
 
     g = torch.Generator().manual_seed(5)
     k_pool, v_pool, table = _paged_cache([3000] * b, 48, 64, 2, 8, g)
     q = torch.randn(b, nq, 8, 8, generator=g, dtype=torch.float64)
     seqlens = torch.full((b,), 3000, dtype=torch.int32)
+    cu = torch.arange(b + 1, dtype=torch.int32) * nq
     with routes.forced_forward("split-kv"):
-        step = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,  # noqa: E731
-                                                 page_table=table, causal=True, family=family)
-        step()
+        if packed:
+            step = lambda: xt.paged_attention(q.flatten(0, 1), k_pool, v_pool, table, seqlens,  # noqa: E731
+                                              cu_seqlens_q=cu, max_seqlen_q=nq, causal=True, family=family)
+        else:
+            step = lambda: xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,  # noqa: E731
+                                                     page_table=table, causal=True, family=family)
+        want = step()
         CALLS.clear()
-        with seen:
-            step()
-    assert seen.ops == ([] if b == 1 else ["clone"]), seen.ops
+        with counting(monkeypatch) as kernels:
+            got = step()
+    torch.testing.assert_close(got, want)
+    assert sorted(kernels) == (["clone"] if b > 1 else []) + ["index_select"] * 3 * packed, kernels
     launches = [c[0] for c in CALLS]
     assert launches == ["paged_meta"] + ["paged"] * (1 + (nq > 1)) + ["combine"], launches
 
-
-_COMPUTING = {"cat", "clone", "copy_", "fill_", "zero_", "gather", "index_select", "clamp", "clamp_", "arange",
-              "floor_divide", "sub", "add", "mul", "where", "pad", "constant_pad_nd", "_to_copy"}
-
-
-@pytest.mark.parametrize("nq, contiguous_pages", [(1, True), (3, True), (1, False)])
-def test_fa4_pages_of_two_key_tiles_are_read_as_tile_pages(nq, contiguous_pages, monkeypatch):
-    """FA4 d128 pages of 256 rows on the split route: the launches read the pool as 128-row pages (TMA; the index
-    kernel maps column c to page table[c // 2] * 2 + c % 2), against fp64; a pool whose pages are not one block
-    each keeps its 256-row pages (cp.async), the same values."""
-    from xattn.core import routes
-    from xattn.torch import ops
-
-    seen = []
-    launch = ops.LAUNCH["paged"]
-
-    def paged(spec, q, k_pool, *args, **kwargs):
-        seen.append((spec.page_size, tuple(k_pool.shape)))
-        return launch(spec, q, k_pool, *args, **kwargs)
-    monkeypatch.setitem(ops.LAUNCH, "paged", paged)
-    g = torch.Generator().manual_seed(17 + nq)
-    lengths, max_pages, hkv, d = [700, 1, 256, 1300], 6, 2, 128
-    k_pool, v_pool, table = _paged_cache(lengths, max_pages, 256, hkv, d, g)
-    if not contiguous_pages:  # every page one half of a block of 512 rows
-        k_pool, v_pool = (torch.cat([t, torch.zeros_like(t)], 1)[:, :256] for t in (k_pool, v_pool))
-    q = torch.randn(len(lengths), nq, 8, d, generator=g, dtype=torch.float64)
-    seqlens = torch.tensor(lengths, dtype=torch.int32)
-    with routes.forced_forward("split-kv"):
-        out, lse = xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, causal=True, num_splits=4,
-                                             return_softmax_lse=True, page_table=table, family="fa4")
-    want_out, want_lse = _expected(q, k_pool, v_pool, table, lengths, True, (None, None), d ** -0.5)
-    assert (out - want_out).abs().max() < 1e-6
-    assert torch.allclose(lse.double(), want_lse, atol=1e-5)
-    rows = 128 if contiguous_pages else 256
-    assert {s for s, _ in seen} == {rows} and {shape[:2] for _, shape in seen} == {(k_pool.shape[0] * 256 // rows,
-                                                                                      rows)}, seen

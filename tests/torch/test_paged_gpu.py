@@ -35,6 +35,8 @@ def _contiguous(pool, table):
     pytest.param("fa4", 128, 32, 4, 1, 256, 45, [11000, 255, 257], True, None, id="fa4-d128-g8-ps256-as-tma-128"),
     pytest.param("fa4", 128, 32, 8, 4, 256, 30, [7001, 3], True, None, id="fa4-d128-g4-q4-ps256-as-tma-128"),
     pytest.param("fa4", 256, 32, 16, 1, 64, 100, [6000, 64], False, None, id="fa4-d256-g2-ps64"),
+    pytest.param("fa4", 96, 8, 4, 1, 128, 12, [1066, 1066, 900], False, None, id="fa4-d96-unmasked-ps128"),
+    pytest.param("fa4", 96, 8, 4, 3, 16, 70, [1066, 900, 17], True, None, id="fa4-d96-q3-causal-split-ps16"),
     pytest.param("fa4", 256, 32, 16, 1, 256, 20, [5000, 900], False, (1023, 0), id="fa4-d256-window-ps256"),
 ])
 def test_paged_vs_fp64(num_splits, family, d, hq, hkv, nq, ps, max_pages, lengths, causal, window):
@@ -154,17 +156,19 @@ def test_paged_packed_decoding_split_vs_fp64(family, d, hq, hkv, ps, q_lens):
         assert torch.all(out[bounds[-1]:] == 0) and torch.all(torch.isneginf(lse[:, bounds[-1]:]))
 
 
-@pytest.mark.parametrize("family, tail", [("ffpa", False), ("ffpa", True), ("fa4", False), ("fa4", True)])
-def test_index_kernel_matches_the_host_rule(family, tail):
+@pytest.mark.parametrize("family, tail, packed", [("ffpa", False, False), ("ffpa", True, False), ("fa4", False, False),
+                                                  ("fa4", True, False), ("ffpa", True, True), ("fa4", False, True)])
+def test_index_kernel_matches_the_host_rule(family, tail, packed):
     """The split route's index kernel (xattn.core.paged_meta_sm90) against the core's host rule (the CPU stand-in,
     xattn.core.paged.entry_bounds): every entry's keys and table columns, the tail's, and the lse fill, for empty,
     1-key, partial-page and full sequences, padded splits (S * pps past the table), page sizes 16-256, Nq 1-16,
-    pool pages read as 2 or 3 tile pages (FA4's TMA), and a table that is a strided view (no copy)."""
+    pool pages read as 2 or 3 tile pages (FA4's TMA), and a table that is a strided view (no copy); packed, the
+    query gathers for sequences of 0 to Nq queries and trailing rows past cu_seqlens_q[-1]."""
     from tests.torch.stubs import _stub_paged_meta
     from xattn.core import paged
     from xattn.torch import ops
 
-    g = torch.Generator(device="cuda").manual_seed(11 + tail)
+    g = torch.Generator(device="cuda").manual_seed(11 + tail + 2 * packed)
     host = _stub_paged_meta()
     for ps, nq, columns, splits, r in ((16, 1, 70, 9, 1), (64, 4, 33, 5, 1), (256, 16, 7, 3, 1), (64, 3, 40, 40, 1),
                                        (128, 2, 1, 1, 1), (128, 3, 9, 4, 2), (128, 1, 20, 7, 2), (80, 5, 6, 2, 3)):
@@ -180,14 +184,24 @@ def test_index_kernel_matches_the_host_rule(family, tail):
         want = [torch.full((plan.splits * len(lengths), 1 + plan.pages_per_split), -7, dtype=torch.int32),
                 torch.full((len(lengths), 1 + paged.tail_pages(ps, nq)), -7, dtype=torch.int32),
                 torch.zeros(plan.partials * len(lengths) * 8 * nq)]
+        gathers = None
+        if packed:
+            counts = torch.randint(0, nq + 1, (len(lengths),), generator=torch.Generator().manual_seed(ps + nq))
+            cu = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
+            tq = int(cu[-1]) + 3  # trailing rows
+            gathers = [cu, torch.full((len(lengths) * nq,), -7, dtype=torch.int32),
+                       torch.full((tq,), -7, dtype=torch.int32), torch.full((40,), -7, dtype=torch.int32)]
         got = [w.clone().cuda() for w in want]
-        spec = paged.PagedMetaSpec(family, plan.tail)
+        got_gathers = [t.clone().cuda() for t in gathers] if packed else None
+        spec = paged.PagedMetaSpec(family, plan.tail, packed)
         tail_got = got[1] if plan.tail else got[0]
-        ops.LAUNCH["paged_meta"](spec, lens, table, got[0], tail_got, got[2], page_size=ps, seqlen_q=nq,
+        ops.LAUNCH["paged_meta"](spec, lens, table, got[0], tail_got, got[2], got_gathers, page_size=ps, seqlen_q=nq,
                                  tiles_per_page=r)
-        host(spec, lens.cpu(), table.cpu(), want[0], want[1] if plan.tail else want[0], want[2], page_size=ps,
-             seqlen_q=nq, tiles_per_page=r)
+        host(spec, lens.cpu(), table.cpu(), want[0], want[1] if plan.tail else want[0], want[2], gathers,
+             page_size=ps, seqlen_q=nq, tiles_per_page=r)
         assert torch.equal(got[0].cpu(), want[0]), (ps, nq, columns, splits, r)
         if plan.tail:
             assert torch.equal(got[1].cpu(), want[1]), (ps, nq, columns, splits, r)
+        for name, a, b in zip(("q_rows", "out_rows", "zero"), (got_gathers or [])[1:], (gathers or [])[1:]):
+            assert torch.equal(a.cpu(), b), (name, ps, nq, a, b)
         assert torch.isneginf(got[2]).all()

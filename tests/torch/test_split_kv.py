@@ -189,3 +189,112 @@ def test_query_slots_repeat_q_per_split(b, nq, p, strided):
     assert torch.equal(got, want)
     if b * nq == 1:
         assert got.data_ptr() == q.data_ptr() and got.stride(0) == 0
+
+
+@pytest.mark.parametrize("packed, b, nq", [(False, 1, 1), (False, 1, 4), (False, 3, 1), (False, 3, 4), (True, 1, 1),
+                                           (True, 3, 1), (True, 3, 4)])
+def test_device_lengths_take_the_index_kernel_and_few_framework_kernels(packed, b, nq, monkeypatch):
+    """attention_with_kvcache(cache_seqlens=) and the packed decode call (cu_seqlens_q/k) on the split route: one index
+    kernel (xattn.core.split_meta_sm90) writes the launches' cu_seqlens_k, the lse pre-fills and the packed gathers;
+    around the launches only q's per-split copy (B Nq > 1), the causal tail's two slot copies (Nq > 1) and
+    the packed call's three gathers remain (12-39 framework kernels before), against fp64."""
+    from .framework_kernels import counting
+
+    g = torch.Generator().manual_seed(b * 10 + nq)
+    hq, hkv, d, nk = 8, 2, 16, 700
+    lengths = [nk - 3 * i for i in range(b)]
+    with routes.forced_forward("split-kv"):
+        if packed:
+            cu_q = torch.tensor([0] + [nq * (i + 1) for i in range(b)], dtype=torch.int32)
+            cu_k = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+            q = torch.randn(b * nq + 2, hq, d, generator=g, dtype=torch.float64)  # 2 trailing rows
+            k, v = (torch.randn(int(cu_k[-1]) + 5, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+            step = lambda: xt.attention_with_lse(q, k, v, causal=True, cu_seqlens_q=cu_q,  # noqa: E731
+                                                 cu_seqlens_k=cu_k, max_seqlen_q=nq, max_seqlen_k=nk)
+        else:
+            q = torch.randn(b, nq, hq, d, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(b, nk + 4, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+            seqlens = torch.tensor(lengths, dtype=torch.int32)
+            step = lambda: xt.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True,  # noqa: E731
+                                                     return_softmax_lse=True)
+        step()
+        CALLS.clear()
+        with counting(monkeypatch) as kernels:
+            out, lse = step()
+    assert [c[0] for c in CALLS][:1] == ["split_meta"] and [c[0] for c in CALLS][-1] == "combine", CALLS
+    tail_copies = 2 if nq > 1 else 0  # (device lengths: the tail is never written in place)
+    assert sorted(kernels) == sorted(["copy_"] * ((b * nq > 1) + tail_copies) + ["index_select"] * 3 * packed), kernels
+    for i, n in enumerate(lengths):
+        if packed:
+            rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+            want, want_lse = ref_attention(q[None, rows], k[None, int(cu_k[i]):int(cu_k[i + 1])],
+                                           v[None, int(cu_k[i]):int(cu_k[i + 1])], scale=d ** -0.5, causal=True)
+            torch.testing.assert_close(out[rows], want[0])
+            torch.testing.assert_close(lse[:, rows].double(), want_lse[0])
+        else:
+            want, want_lse = ref_attention(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], scale=d ** -0.5, causal=True)
+            torch.testing.assert_close(out[i:i + 1], want)
+            torch.testing.assert_close(lse[i:i + 1].double(), want_lse)
+    if packed:  # the trailing rows: the sentinels
+        assert torch.all(out[b * nq:] == 0) and torch.all(torch.isneginf(lse[:, b * nq:]))
+
+
+def test_side_stream_protocol(monkeypatch):
+    """The causal tail's second stream (:class:`xattn.torch.split_kv.Side`) on a device that is not the current
+    one, with CUDA's calls recorded: the side waits for the caller's stream before its block, the block runs with
+    the side current, the caller's stream and current device come back (also when the block raises), and
+    ``join`` makes the caller's stream wait for the side. Each thread gets its own events."""
+    import threading
+
+    from xattn.torch import split_kv
+
+    log, current = [], {"stream": "main", "device": 0}
+
+    class Event:
+        def __init__(self, device):
+            self.name = f"event{len(log)}"
+            log.append(("event", str(device)))
+
+        def record(self, stream):
+            log.append(("record", self.name, stream))
+
+        def wait(self, stream):
+            log.append(("wait", self.name, stream))
+
+    class Stream(str):
+        device_index = 1
+
+        def __new__(cls, device):
+            return super().__new__(cls, "side")
+
+    def set_stream(s):
+        current.update(stream=s, device=1)
+        log.append(("set_stream", str(s)))
+
+    monkeypatch.setattr(split_kv, "_SIDES", threading.local())
+    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda i: "main" if i == 1 else "other")
+    monkeypatch.setattr(torch.accelerator, "set_stream", set_stream)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: current["device"])
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: current.update(device=i))
+
+    side = split_kv.Side(torch.device("cuda", 1))
+    assert log == [("event", "cuda:1"), ("event", "cuda:1")]  # on the tensors' device, not the current one
+    del log[:]
+    with side.fork():
+        log.append(("body", current["stream"], current["device"]))
+    with pytest.raises(RuntimeError), side.after_main():
+        raise RuntimeError("in the block")
+    side.join()
+    forked, joined = side._forked.name, side._joined.name
+    assert log == [("record", forked, "main"), ("wait", forked, "side"), ("set_stream", "side"), ("body", "side", 1),
+                   ("set_stream", "main"), ("record", forked, "main"), ("wait", forked, "side"),
+                   ("set_stream", "side"), ("set_stream", "main"), ("record", joined, "side"), ("wait", joined, "main")]
+    assert current == {"stream": "main", "device": 0}  # the caller's device is current again
+    assert split_kv.Side(torch.device("cuda", 1))._forked is side._forked  # made once per thread and device
+    other = []
+    thread = threading.Thread(target=lambda: other.append(split_kv.Side(torch.device("cuda", 1))._forked))
+    thread.start()
+    thread.join()
+    assert other[0] is not side._forked

@@ -75,9 +75,11 @@ def test_split_kv_under_a_cuda_graph(nq):
 
 def test_causal_tail_orders_its_stream_after_the_callers():
     """On a caller's own stream, right after a long kernel and the write of the last keys: the tail (on the
-    route's second stream) must see them, and the caller's stream must see the tail's slot before it reads out."""
+    route's second stream) must see them, and the caller's stream must see the tail's slot before it reads out.
+    The route's events are reused from call to call: the warm-up call before records them first."""
     q, k, v = _decode(1, 4, 32, 4, 16384, 512, "contiguous", seed=21)
     fresh = _decode(1, 4, 32, 4, 16384, 512, "contiguous", seed=22)
+    xt.attention(*fresh, causal=True, num_splits=8)
     busy = torch.randn(8192, 8192, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -87,6 +89,7 @@ def test_causal_tail_orders_its_stream_after_the_callers():
         k[:, -4:].copy_(fresh[1][:, -4:])  # the tail's keys
         v[:, -4:].copy_(fresh[2][:, -4:])
         out = xt.attention(q, k, v, causal=True, num_splits=8)
+        assert torch.cuda.current_stream() == stream  # the route gave the caller's stream back
         got = out.float().clone()
     torch.cuda.synchronize()
     ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
@@ -151,3 +154,46 @@ def test_combine_never_reads_a_partial_of_lse_minus_inf():
     assert (out.double() - ref).abs().max() < 2e-2
     assert torch.equal(torch.isneginf(lse), torch.isneginf(total))
     assert (lse.double() - total).nan_to_num(0.0).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("tail, packed, rows", [(False, False, 9000), (True, False, 9000), (True, True, -1),
+                                                (False, True, -1), (True, False, 0)])
+def test_split_index_kernel_matches_the_torch_formulation(tail, packed, rows):
+    """The contiguous split route's index kernel (xattn.core.split_meta_sm90) against the torch ops it replaced (the
+    CPU stand-in: xattn.torch.split_kv.device_cu_seqlens_k) and the host loops of the packed gathers: cu_seqlens_k of
+    the split and tail launches for fixed and per-sequence chunks, empty, 1-key and full sequences, dense (from row
+    b * rows) and packed keys (cu_seqlens_k), the lse fill, the packed rows with trailing rows."""
+    from tests.torch.stubs import _stub_split_meta
+    from xattn.core.split_kv import SplitMetaSpec
+    from xattn.torch import ops
+
+    host = _stub_split_meta()
+    spec = SplitMetaSpec("ffpa", tail, packed)
+    for splits, chunk, nq in ((33, 0, 1), (4, 0, 4), (7, 256, 3), (1, 0, 16), (127, 0, 2)):
+        lengths = [0, 1, 9000, 129, 4097, nq, 8191]
+        b = len(lengths)
+        if rows >= 0:
+            keys = torch.tensor(lengths, dtype=torch.int32)
+            key_rows = rows * (b - 1) + 9000
+        else:
+            keys = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+            key_rows = int(keys[-1]) + 11
+        p = splits + tail
+        bufs = [torch.full((b * (p + 1) + 1,), -7, dtype=torch.int32), torch.full((2 * b + 1,), -7, dtype=torch.int32),
+                torch.zeros(3 * b * p * nq + 5)]
+        gathers = None
+        if packed:
+            counts = torch.randint(0, nq + 1, (b,), generator=torch.Generator().manual_seed(splits))
+            cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
+            gathers = [cu_q] + [torch.full((n,), -7, dtype=torch.int32) for n in (b * nq, int(cu_q[-1]) + 3, 33)]
+        got = [t.cuda() for t in bufs]
+        got_gathers = [t.cuda() for t in gathers] if packed else None
+        kw = dict(batch=b, rows=rows, key_rows=key_rows, seqlen_q=nq, splits=splits, chunk=chunk)
+        ops.LAUNCH["split_meta"](spec, keys.cuda(), got[0], got[1] if tail else got[0], got[2], got_gathers, **kw)
+        host(spec, keys, bufs[0], bufs[1] if tail else bufs[0], bufs[2], gathers, **kw)
+        assert torch.equal(got[0].cpu(), bufs[0]), (splits, chunk, nq, got[0].cpu(), bufs[0])
+        if tail:
+            assert torch.equal(got[1].cpu(), bufs[1]), (splits, chunk, nq)
+        assert torch.isneginf(got[2]).all()
+        for name, a, w in zip(("q_rows", "out_rows", "zero"), (got_gathers or [])[1:], (gathers or [])[1:]):
+            assert torch.equal(a.cpu(), w), (name, splits, nq)

@@ -40,12 +40,12 @@ from .checks import (Meta, Problem, as_tensor, check_attention, check_layout_siz
                      check_workspace, quick_check, validate)
 from .spec import KernelSpec, supports
 from .paged import PagedMetaSpec
-from .split_kv import MAX_PARTIALS, CombineSpec
+from .split_kv import MAX_PARTIALS, CombineSpec, SplitMetaSpec
 from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd", "launch_combine",
-           "launch_paged_fwd", "launch_paged_meta"]
+           "launch_paged_fwd", "launch_paged_meta", "launch_split_meta"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
@@ -228,27 +228,60 @@ def launch_paged_fwd(spec: KernelSpec, q, k_pages, v_pages, kv_meta, out, lse, *
         function(*views, softmax_scale)
 
 
-def launch_paged_meta(spec: PagedMetaSpec, lengths, page_table, kv_meta, tail_meta, lse_fill, *, page_size: int,
-                      seqlen_q: int, tiles_per_page: int = 1, stream: int | None = None) -> None:
+def launch_paged_meta(spec: PagedMetaSpec, lengths, page_table, kv_meta, tail_meta, lse_fill, packed=None, *,
+                      page_size: int, seqlen_q: int, tiles_per_page: int = 1, stream: int | None = None) -> None:
     """Enqueue the paged split route's index kernel (:mod:`xattn.core.paged_meta_sm90`): from ``lengths [B]`` and
     ``page_table [B, P]`` (int32, any strides) write the split entries' ``kv_meta [S*B, 1+pps]`` (int32, row
     ``s * B + b``: its keys, then table columns ``s*pps..``, 0 past the table), with ``spec.tail`` the causal tail's
     ``tail_meta [B, 1+W]`` (otherwise any int32 tensor, untouched), and -inf into every element of ``lse_fill [F]``
-    fp32. ``page_size`` and ``seqlen_q`` (Nq) as the plan's (:func:`xattn.core.paged.entry_bounds`); with
-    ``tiles_per_page`` r > 1 the pool's pages are read as r pages of ``page_size`` rows each (table column c:
-    ``page_table[b, c // r] * r + c % r``)."""
+    fp32. With ``spec.packed``, ``packed = (cu_seqlens_q [B+1], q_rows [B*Nq], out_rows [Tq], zero [Z])`` int32:
+    the packed queries' gathers, as the module says (otherwise None). ``page_size`` and
+    ``seqlen_q`` (Nq) as the plan's (:func:`xattn.core.paged.entry_bounds`); with ``tiles_per_page`` r > 1 the
+    pool's pages are read as r pages of ``page_size`` rows each (table column c: ``page_table[b, c // r] * r +
+    c % r``)."""
     if page_size < 1 or seqlen_q < 1 or tiles_per_page < 1:
         raise ValueError(f"launch_paged_meta: page_size {page_size}, seqlen_q {seqlen_q} and tiles_per_page "
                          f"{tiles_per_page} must be >= 1")
-    args = (lengths, page_table, kv_meta, tail_meta, lse_fill, page_size, seqlen_q, tiles_per_page)
+    if (packed is not None) != spec.packed or (packed is not None and len(packed) != 4):
+        raise ValueError(f"launch_paged_meta: {spec.short_name()} takes "
+                         f"{'the five packed gathers' if spec.packed else 'no packed gathers'}")
+    extra = packed or (lengths,) * 4  # unused slots take any int32 vector: the lengths themselves
+    args = (lengths, page_table, kv_meta, tail_meta, lse_fill, *extra, page_size, seqlen_q, tiles_per_page)
     function = get_launcher(spec).function
     if stream is None:
         function(*args)
         return
     _check_stream(stream)
-    views = [as_tensor(a, "buffer") for a in args[:5]]
+    views = [as_tensor(a, "buffer") for a in args[:9]]
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
         function(*views, page_size, seqlen_q, tiles_per_page)
+
+
+def launch_split_meta(spec: SplitMetaSpec, keys, cu_k, tail_k, lse_fill, packed=None, *, batch: int, rows: int,
+                      key_rows: int, seqlen_q: int, splits: int, chunk: int, stream: int | None = None) -> None:
+    """Enqueue the contiguous split route's index kernel (:mod:`xattn.core.split_meta_sm90`): from ``keys`` (``rows >=
+    0``: valid keys ``[B]``, sequence b from flat row ``b * rows``; ``rows < 0``: ``cu_seqlens_k [B+1]``) write the
+    split launch's ``cu_k [B*(P+1)+1]`` and with ``spec.tail`` the tail launch's ``tail_k [2B+1]`` (int32;
+    otherwise any int32 vector, untouched), -inf into every element of ``lse_fill [F]`` fp32, and with
+    ``spec.packed`` the gathers ``packed = (cu_seqlens_q [B+1], q_rows [B*Nq], out_rows [Tq], zero [Z])``
+    (:func:`launch_paged_meta`'s). ``splits`` S and ``chunk`` (0: each sequence its own) as the plan's,
+    ``key_rows`` the flat key view's rows."""
+    if batch < 1 or seqlen_q < 1 or splits < 1 or chunk < 0 or key_rows < 0:
+        raise ValueError(f"launch_split_meta: batch {batch}, seqlen_q {seqlen_q}, splits {splits} must be >= 1, "
+                         f"chunk {chunk} and key_rows {key_rows} >= 0")
+    if (packed is not None) != spec.packed or (packed is not None and len(packed) != 4):
+        raise ValueError(f"launch_split_meta: {spec.short_name()} takes "
+                         f"{'the four packed gathers' if spec.packed else 'no packed gathers'}")
+    extra = packed or (keys,) * 4  # unused slots take any int32 vector: the keys themselves
+    args = (keys, cu_k, tail_k, lse_fill, *extra, batch, rows, key_rows, seqlen_q, splits, chunk)
+    function = get_launcher(spec).function
+    if stream is None:
+        function(*args)
+        return
+    _check_stream(stream)
+    views = [as_tensor(a, "buffer") for a in args[:8]]
+    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
+        function(*views, *args[8:])
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

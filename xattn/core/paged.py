@@ -19,11 +19,10 @@ Pure Python: no torch, jax or numpy (``tests/core/test_layering.py``).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .spec import FieldsHashed, library_versions
+from .split_kv import IndexSpec
 
 __all__ = ["PagedPlan", "PagedMetaSpec", "plan_paged", "tail_pages", "tma_page_rows", "FA4_KEY_TILE", "entry_bounds",
            "PageTableError", "page_table_problem", "length_message", "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
@@ -49,26 +48,11 @@ class PagedPlan:
         return self.splits + int(self.tail)
 
 
-@dataclass(frozen=True)
-class PagedMetaSpec(FieldsHashed):
-    """Compile key of the split route's index launcher (:mod:`xattn.core.paged_meta_sm90`): one kernel writes the
-    split entries' ``kv_meta``, with ``tail`` the causal tail's, and the partials' lse pre-fill. Goes through the
-    launcher and disk caches as the combine does; ``family`` only names the entry (the kernel moves int32 indices)."""
+class PagedMetaSpec(IndexSpec):
+    """The paged split route's index launcher (:mod:`xattn.core.paged_meta_sm90`): the split entries' ``kv_meta``
+    (and the causal tail's)."""
 
-    family: str
-    tail: bool
-    arch: str = "sm_90a"
-    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
-
-    __hash__ = FieldsHashed.cached_hash
-
-    def short_name(self) -> str:
-        # "<family>_fwd_" prefix: the disk cache's own-file pattern (``cache clear`` removes these too)
-        return f"{self.family}_fwd_paged_meta{'_tail' if self.tail else ''}_{self.arch}"
-
-    def target_name(self) -> str:
-        digest = hashlib.sha256(repr(self.versions).encode()).hexdigest()[:10]
-        return f"xattn_{self.short_name()}_{digest}"
+    NAME = "paged_meta"
 
 
 def plan_paged(splits: int, causal: bool, seqlen_q: int, max_pages: int) -> PagedPlan:

@@ -59,6 +59,10 @@ from .symbolic import CUTE_DTYPES, compile_launcher  # noqa: E402
 __all__ = ["compile_paged"]
 
 _names_lock = threading.Lock()
+# flash_attn.cute's sm90 paged forward (cp.async loads) gave wrong results with its 144-row key tile (d96 without a
+# mask) at every page size tried, 16 and 128, where the 128-row tile of the same head dim's causal config is right
+# (contract fuzz, session 18; benchmarks/tools/paged_tile_probe.py, session 19): xattn builds that kernel with 128
+_FA4_PAGED_BAD_TILE = 144
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,8 @@ def compile_paged(spec: KernelSpec, trace: list | None = None):
             trace.append(tracing.mapped)
         return fn
     cfg = _tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
+    if cfg.n_block_size == _FA4_PAGED_BAD_TILE:  # d96 unmasked: the causal config's 128-row key tile instead
+        cfg = _tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, True, spec.is_local)
     kernel = FlashAttentionForwardSm90(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
         is_causal=spec.causal, is_local=spec.is_local, pack_gqa=spec.qhead_per_kvhead > 1,

@@ -58,7 +58,7 @@ def library_versions() -> tuple[tuple[str, str], ...]:
 
 
 class FieldsHashed:
-    """Base of the frozen dataclass compile keys (``KernelSpec``, ``CombineSpec``, ``PagedMetaSpec``): the launch path
+    """Base of the frozen dataclass compile keys (``KernelSpec`` and the split route's launchers'): the launch path
     looks a launcher up by its key on every call, so the key's hash is computed once, in ``__post_init__``. A
     subclass says ``__hash__ = FieldsHashed.cached_hash`` in its body (a dataclass's own hash would replace it)."""
 
@@ -182,9 +182,6 @@ def _paged_reason(spec: KernelSpec) -> str | None:
     if spec.family == "ffpa" and ps % PAGED_FFPA_TILE:
         return (f"FFPA reads keys in {PAGED_FFPA_TILE}-row tiles, so its pages must hold whole tiles: page_size "
                 f"a multiple of {PAGED_FFPA_TILE}, got {ps}")
-    if spec.family == "fa4" and spec.head_dim == 96 and not spec.causal and not spec.is_local:
-        return ("FA4's paged forward at head dim 96 without a causal mask or window (its 144-row key tile) gave "
-                "wrong results on the H200 (contract fuzz, 2026-12-05); it is refused until fixed")
     return None
 
 

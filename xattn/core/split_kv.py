@@ -48,8 +48,9 @@ from pathlib import Path
 
 from .spec import FFPA_FWD_TILE_M, FieldsHashed, library_versions
 
-__all__ = ["SplitPlan", "CombineSpec", "plan_splits", "splits_only", "decode_splits", "split_bounds",
-           "split_cu_seqlens", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "source_digest"]
+__all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "plan_splits", "splits_only", "decode_splits",
+           "split_bounds", "split_cu_seqlens", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS",
+           "KEY_TILE", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -168,6 +169,39 @@ def split_cu_seqlens(plan: SplitPlan, seqlen_q: int, rows_per_seq: int, lengths:
             tail_q += [tail_q[-1], tail_q[-1] + seqlen_q]
             tail_k += [base + lo, base + hi]
     return cu_q, cu_k, (tail_q if plan.tail else []), (tail_k if plan.tail else [])
+
+
+@dataclass(frozen=True)
+class IndexSpec(FieldsHashed):
+    """Compile key of a split route's index launcher (a subclass per route: :class:`SplitMetaSpec`,
+    :class:`xattn.core.paged.PagedMetaSpec`): one small kernel writes what the route's launches read, with ``tail``
+    the causal tail's, with ``packed`` the gathers of packed queries, and the partials' lse pre-fill. Goes through
+    the launcher and disk caches as the combine does; ``family`` only names the entry (the kernel moves int32
+    indices)."""
+
+    family: str
+    tail: bool
+    packed: bool = False
+    arch: str = "sm_90a"
+    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    __hash__ = FieldsHashed.cached_hash
+    NAME = "index"  # the entry's name (a class attribute, not a field)
+
+    def short_name(self) -> str:
+        # "<family>_fwd_" prefix: the disk cache's own-file pattern (``cache clear`` removes these too)
+        return f"{self.family}_fwd_{self.NAME}{'_tail' * self.tail}{'_packed' * self.packed}_{self.arch}"
+
+    def target_name(self) -> str:
+        digest = hashlib.sha256(repr(self.versions).encode()).hexdigest()[:10]
+        return f"xattn_{self.short_name()}_{digest}"
+
+
+class SplitMetaSpec(IndexSpec):
+    """The contiguous split route's index launcher (:mod:`xattn.core.split_meta_sm90`): the split launch's
+    ``cu_seqlens_k`` from device lengths (and the tail launch's)."""
+
+    NAME = "split_meta"
 
 
 @functools.cache

@@ -13,7 +13,7 @@ Pools ``k_pages/v_pages [NP, PS, Hkv, D/Dv]``, ``page_table [B, P]`` int32, ``le
   launch over each sequence's whole table (no combine).
 
 Packed queries (``cu_seqlens_q``, vLLM's varlen call) with at most 16 per sequence run the same way, as the dense
-problem of ``max_seqlen_q`` queries (:func:`xattn.torch.split_kv.dense_queries`); others one launch.
+problem of ``max_seqlen_q`` queries (the index kernel gathers them in and the rows back out); others one launch.
 """
 
 from __future__ import annotations
@@ -55,22 +55,47 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     if route.name != "split-kv":  # one entry per sequence, its whole table: the kernel masks as asked
         meta = torch.cat([lengths.to(torch.int32)[:, None], table], dim=1)
         return _launch(family, q, kp, vp, meta, ps, causal, left, right, scale)
+    return _split(family, q, None, nq, k_pages, v_pages, table, lengths, rows, route.plan.splits, causal, scale)
+
+
+def _split(family: str, q: Tensor, cu_seqlens_q: Tensor | None, nq: int, k_pages: Tensor, v_pages: Tensor,
+           table: Tensor, lengths: Tensor, rows: int, splits: int, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """The split route over the pages: dense q ``[B, Nq, Hq, D]`` -> ``(out [B, Nq, Hq, Dv], lse [B, Hq, Nq])``, or
+    packed q ``[Tq, Hq, D]`` with ``cu_seqlens_q`` (at most Nq queries per sequence) -> ``(out [Tq, Hq, Dv], lse
+    [Hq, Tq])``, run as the dense problem. ``rows``: the split launches' page size (:func:`_split_rows`)."""
+    hq, d = q.shape[-2], q.shape[-1]
+    b, max_pages = table.shape
+    ps, hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
+    dev, packed = q.device, cu_seqlens_q is not None
+    kp, vp = _pools(family, k_pages, v_pages)
     r = ps // rows
     if r > 1:  # FA4: each pool page read as r pages of its key tile (TMA); the index kernel maps the table
         kp, vp = kp.view(-1, rows, hkv, d), vp.view(-1, rows, hkv, dv)
-    plan = paged.plan_paged(route.plan.splits, causal, nq, max_pages * r)
-    pps, s = plan.pages_per_split, plan.splits
-    meta = torch.empty((s * b, 1 + pps), dtype=torch.int32, device=q.device)
-    tail_meta = torch.empty((b, 1 + paged.tail_pages(rows, nq)), dtype=torch.int32, device=q.device) \
-        if plan.tail else meta
-    out_p = torch.empty((plan.partials, b, nq, hq, dv), dtype=q.dtype, device=q.device)
-    lse_p = torch.empty((plan.partials, b, hq, nq), dtype=torch.float32, device=q.device)
-    # one kernel: every entry's keys and table columns, the tail's, and lse -inf in every partial row (FFPA skips
-    # an entry without keys; the combine skips a row of lse -inf, so no out needs a fill)
-    ops.LAUNCH["paged_meta"](_meta_spec(family, plan.tail), lengths.to(torch.int32), table, meta, tail_meta,
-                             lse_p.view(-1), page_size=rows, seqlen_q=nq, tiles_per_page=r)
+    plan = paged.plan_paged(splits, causal, nq, max_pages * r)
+    pps, s, slots = plan.pages_per_split, plan.splits, plan.partials
+    meta = torch.empty((s * b, 1 + pps), dtype=torch.int32, device=dev)
+    tail_meta = torch.empty((b, 1 + paged.tail_pages(rows, nq)), dtype=torch.int32, device=dev) if plan.tail else meta
+    bhn, rows_d = b * hq * nq, b * nq
+    # lse: the partials, then (packed) the combined [Hq, B Nq + 1] with a sentinel column; all -inf first. out:
+    # (packed) the combined [B Nq + 1, Hq, Dv] with a zero sentinel row. Packed rows outside every sequence read the
+    # sentinels: out 0, lse -inf
+    lse_all = torch.empty(slots * bhn + (hq * (rows_d + 1) if packed else 0), dtype=torch.float32, device=dev)
+    out_p = torch.empty((slots, b, nq, hq, dv), dtype=q.dtype, device=dev)
+    lse_p = lse_all[:slots * bhn].view(slots, b, hq, nq)
+    gathers = None
+    if packed:
+        out_all = torch.empty((rows_d + 1, hq, dv), dtype=q.dtype, device=dev)
+        lse_rows = lse_all[slots * bhn:].view(hq, rows_d + 1)
+        gathers = (cu_seqlens_q.to(torch.int32), torch.empty(rows_d, dtype=torch.int32, device=dev),
+                   torch.empty(q.shape[0], dtype=torch.int32, device=dev), out_all[rows_d].view(-1).view(torch.int32))
+    # one kernel: every entry's keys and table columns, the tail's, the packed gathers, and lse -inf in every partial
+    # row (FFPA skips an entry without keys; the combine skips a row of lse -inf, so no out needs a fill)
+    ops.LAUNCH["paged_meta"](_meta_spec(family, plan.tail, packed), lengths.to(torch.int32), table, meta, tail_meta,
+                             lse_all, gathers, page_size=rows, seqlen_q=nq, tiles_per_page=r)
+    if packed:
+        q = q.index_select(0, gathers[1]).view(b, nq, hq, d)
     q_entries = q.unsqueeze(0).expand(s, b, nq, hq, d).reshape(s * b, nq, hq, d)  # a view at B = 1
-    side = split_kv_torch.Side(q.device) if plan.tail else None
+    side = split_kv_torch.Side(dev) if plan.tail else None
     if side:  # the causal tail beside the splits (its few CTAs take SMs the splits leave idle), as the dense route
         with side.fork():
             _launch(family, q, kp, vp, tail_meta, rows, True, None, None, scale, out_p[s], lse_p[s], partial=True)
@@ -78,10 +103,16 @@ def paged_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
             lse_p[:s].view(s * b, hq, nq), partial=True)
     if side:
         side.join()
-    out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    if packed:  # the combine writes lse [B, Nq, Hq] as a view of [Hq, B Nq]: the packed rows are one gather each
+        out, lse_view = out_all[:rows_d].view(b, nq, hq, dv), lse_rows[:, :rows_d].view(hq, b, nq).permute(1, 2, 0)
+    else:
+        out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=dev)
+        lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
+        lse_view = lse.permute(0, 2, 1)
     ops.LAUNCH["combine"](_combine_spec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
-                          lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
+                          lse_p.permute(0, 1, 3, 2), out, lse_view)
+    if packed:
+        return out_all.index_select(0, gathers[2]), lse_rows.index_select(1, gathers[2])
     return out, lse
 
 
@@ -124,18 +155,18 @@ def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens
     hq, dv = q.shape[1], v_pages.shape[-1]
     hkv, ps, b = k_pages.shape[2], k_pages.shape[1], page_table.shape[0]
     if max_seqlen_q is not None and q.shape[0] and b:
+        rows = _split_rows(family, q.shape[-1], dv, k_pages, v_pages)
         problem = routes.FwdProblem(family, b, hkv, hq // hkv, max_seqlen_q, page_table.shape[1] * ps, causal=causal,
                                     local=left is not None or right is not None, varlen=True,
                                     num_sms=num_sms(q.device), num_splits=num_splits,
-                                    split_refused=_split_refusal(family, q.dtype, q.shape[-1], dv, hq // hkv, ps))
-        route = routes.forward_route(problem)
+                                    split_refused=_split_refusal(family, q.dtype, q.shape[-1], dv, hq // hkv, rows))
+        request = routes.requested_forward()
+        route = _ROUTES.get((problem, request))
+        if route is None:
+            route = _ROUTES.put((problem, request), routes.forward_route(problem, request))
         if route.name == "split-kv":
-            out_d, lse_d = paged_forward(split_kv_torch.dense_queries(q, cu_seqlens_q, max_seqlen_q), k_pages, v_pages,
-                                         page_table, lengths, family, scale, causal, left, right, route.plan.splits)
-            out = torch.empty((q.shape[0], hq, dv), dtype=q.dtype, device=q.device)
-            lse = torch.empty((hq, q.shape[0]), dtype=torch.float32, device=q.device)
-            split_kv_torch.packed_rows(out_d, lse_d, cu_seqlens_q, out, lse)
-            return out, lse
+            return _split(family, q, cu_seqlens_q, max_seqlen_q, k_pages, v_pages, page_table.to(torch.int32),
+                          lengths, rows, route.plan.splits, causal, scale)
     kp, vp = _pools(family, k_pages, v_pages)
     meta = torch.cat([lengths.to(torch.int32)[:, None], page_table.to(torch.int32)], dim=1)
     spec = ops.paged_spec(family, str(q.dtype).removeprefix("torch."), q.shape[-1], dv, hq // kp.shape[-2], causal,

@@ -10,7 +10,9 @@ launch. The keys are read in place through a flat strided view of k and v (no co
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
@@ -18,12 +20,12 @@ from torch import Tensor
 
 from xattn.core import split_kv
 from xattn.core.checks import Memo
-from xattn.core.split_kv import CombineSpec, SplitPlan
+from xattn.core.split_kv import CombineSpec, SplitMetaSpec, SplitPlan
 
 from . import ops
 
-__all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "dense_queries", "packed_rows",
-           "num_sms", "device_cu_seqlens_q", "device_cu_seqlens_k", "outside_graph_pools", "ramp"]
+__all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "num_sms", "device_cu_seqlens_q",
+           "device_cu_seqlens_k", "outside_graph_pools", "ramp"]
 
 _SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
@@ -60,21 +62,33 @@ def flat_keys(t: Tensor, key_rows: int) -> Tensor:
                         t.storage_offset())
 
 
-_STREAMS: dict = {}
+_SIDES = threading.local()  # per thread: device index -> (side stream, fork event, join event)
 
 
 class Side:
     """A second CUDA stream of ``device`` for work beside the current one (no-op off CUDA): ``fork()`` runs
     its block there after the work enqueued so far, ``after_main()`` also after what the current stream
-    enqueued since, ``join()`` makes the current stream wait for it. Captures into CUDA graphs as a branch."""
+    enqueued since, ``join()`` makes the current stream wait for it. Captures into CUDA graphs as a branch.
+
+    A decode step pays a few C++ calls here (torch.accelerator's stream calls, two events recorded and waited
+    on), not torch.cuda's Python stream wrappers, which made the eager causal tail cost more host time than the
+    launches. The stream and the events are made once per thread and device and reused: a wait orders against
+    the record enqueued before it, so recording an event again later is safe; per thread, so another thread's
+    record cannot land between one of this thread's records and its wait."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.main = torch.cuda.current_stream(device)
-            self.stream = _STREAMS.get(device.index)
-            if self.stream is None:
-                self.stream = _STREAMS[device.index] = torch.cuda.Stream(device)
+            index = torch.cuda.current_device() if device.index is None else device.index
+            sides = getattr(_SIDES, "by_device", None)
+            if sides is None:
+                sides = _SIDES.by_device = {}
+            state = sides.get(index)
+            if state is None:
+                where = torch.device("cuda", index)
+                state = sides[index] = (torch.cuda.Stream(where), torch.Event(where), torch.Event(where))
+            self.stream, self._forked, self._joined = state
+            self.main = torch.accelerator.current_stream(index)
 
     def __bool__(self) -> bool:
         return True
@@ -87,13 +101,21 @@ class Side:
         if not self.cuda:
             yield
             return
-        self.stream.wait_stream(self.main)
-        with torch.cuda.stream(self.stream):
+        self._forked.record(self.main)
+        self._forked.wait(self.stream)
+        device = torch.accelerator.current_device_index()  # set_stream also makes the stream's device current
+        torch.accelerator.set_stream(self.stream)
+        try:
             yield
+        finally:
+            torch.accelerator.set_stream(self.main)
+            if device != self.stream.device_index:
+                torch.accelerator.set_device_index(device)
 
     def join(self) -> None:
         if self.cuda:
-            self.main.wait_stream(self.stream)
+            self._joined.record(self.stream)
+            self._joined.wait(self.main)
 
 
 class _Setup(NamedTuple):
@@ -219,8 +241,11 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     (:func:`rows_per_seq`). Sequence b holds its first ``lengths[b]`` keys (int32 ``[B]`` on the device, read
     only there), or all Nk (``lengths`` None)."""
     key_rows = rows * (q.shape[0] - 1) + k.shape[1]
-    _split(plan, family, q, flat_keys(k, key_rows), flat_keys(v, key_rows), k.shape[1], rows, scale, out, lse,
-           lengths)
+    kf, vf = flat_keys(k, key_rows), flat_keys(v, key_rows)
+    if lengths is None:
+        _split(plan, family, q, kf, vf, k.shape[1], rows, scale, out, lse)
+    else:
+        _split_device(plan, family, q, kf, vf, k.shape[1], rows, scale, out, lse, lengths.to(torch.int32))
 
 
 def packed_split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -229,22 +254,8 @@ def packed_split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: 
     q ``[Tq, Hq, D]`` (document b: rows ``cu_seqlens_q[b]..[b + 1]``, at most ``max_seqlen_q`` of them) on packed
     keys k/v ``[Tk, Hkv, D/Dv]`` (``cu_seqlens_k``): as the dense problem of Nq = ``max_seqlen_q`` queries per
     document (:mod:`xattn.core.split_kv`, "Packed queries"); every index is computed on the device (no sync)."""
-    b, nq = cu_seqlens_q.shape[0] - 1, max_seqlen_q
-    q_dense = dense_queries(q, cu_seqlens_q, nq)
-    out_d = torch.empty((b, nq, q.shape[1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse_d = torch.empty((b, q.shape[1], nq), dtype=torch.float32, device=q.device)
-    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-    _split(plan, family, q_dense, k, v, 0, 0, scale, out_d, lse_d, lengths, cu_seqlens_k[:-1])
-    packed_rows(out_d, lse_d, cu_seqlens_q, out, lse)
-
-
-def dense_queries(q: Tensor, cu_seqlens_q: Tensor, seqlen_q: int) -> Tensor:
-    """``[B, Nq, Hq, D]`` from packed q ``[Tq, Hq, D]``: document b's queries in the last rows of its Nq (the rows
-    before them repeat other queries, dropped by :func:`packed_rows`), so causal masks keep their bottom-right
-    alignment. A gather by device indices (no sync)."""
-    b, tq = cu_seqlens_q.shape[0] - 1, q.shape[0]
-    src = (cu_seqlens_q[1:, None].to(torch.int32) + ramp(-seqlen_q, seqlen_q, q.device)).clamp_(0, max(tq - 1, 0))
-    return q.index_select(0, src.flatten()).view(b, seqlen_q, *q.shape[1:])
+    _split_device(plan, family, q, k, v, 0, -1, scale, out, lse, cu_seqlens_k.to(torch.int32),
+                  (cu_seqlens_q.to(torch.int32), max_seqlen_q))
 
 
 _RAMPS = Memo(256)  # (first, capacity, step, device) -> the ramp (built once, not per call)
@@ -263,52 +274,87 @@ def ramp(first: int, count: int, device: torch.device, step: int = 1) -> Tensor:
     return hit[:count]
 
 
-def packed_rows(out_d: Tensor, lse_d: Tensor, cu_seqlens_q: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Write ``out [Tq, Hq, Dv]`` and ``lse [Hq, Tq]`` from the dense results ``out_d [B, Nq, Hq, Dv]`` and ``lse_d
-    [B, Hq, Nq]`` of :func:`dense_queries`' layout; rows past ``cu_seqlens_q[-1]`` get 0 and -inf."""
-    b, nq, hq, dv = out_d.shape
-    tq = out.shape[0]
-    ends = cu_seqlens_q[1:].to(torch.int32)
-    t = ramp(0, tq, out.device)
-    doc = torch.searchsorted(ends, t, right=True, out_int32=True).clamp_(max=max(b - 1, 0))
-    # packed row t: dense row (doc, t - cu[doc + 1] + Nq); rows past cu[-1] read any row, then 0 / -inf
-    row = (ramp(nq, tq, out.device) - ends.index_select(0, doc)).clamp_(0, nq - 1).add_(doc * nq)
-    past = t >= cu_seqlens_q[-1:]
-    torch.index_select(out_d.reshape(b * nq, hq, dv), 0, row, out=out)
-    out.masked_fill_(past[:, None, None], 0)
-    torch.index_select(lse_d.permute(1, 0, 2).reshape(hq, b * nq), 1, row, out=lse)
-    lse.masked_fill_(past[None], float("-inf"))
-
-
 def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
-           out: Tensor, lse: Tensor, lengths: Tensor | None, starts: Tensor | None = None) -> None:
-    """:func:`split_forward` on the flat key views ``kf/vf [key_rows, Hkv, D]``; sequence b's keys start at row
-    ``b * rows`` or ``starts[b]`` (device values: then ``lengths`` too)."""
+           out: Tensor, lse: Tensor) -> None:
+    """:func:`split_forward` without lengths on the flat key views ``kf/vf [key_rows, Hkv, D]``: sequence b's Nk keys
+    start at row ``b * rows``; every index is the shape's, set up once (:func:`_setup`)."""
     b, nq, hq, d = q.shape
     dv = vf.shape[-1]
     p = plan.partials
-    key_rows = kf.shape[0]
-    in_place = plan.tail_in_place(b) and lengths is None  # (device lengths come with a plan of chunk 0: never)
-    prefill = plan.prefill(b) or lengths is not None
+    in_place = plan.tail_in_place(b)
     q_split = _slots(q, plan.splits if in_place else p)
     setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
-    if lengths is not None:  # the documents' keys from the device lengths; the queries' as set up
-        cu_k, tail_k = device_cu_seqlens_k(plan, nq, rows, key_rows, lengths, starts)
-        setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=key_rows, tail_max_k=key_rows)
     # a partial row no launch writes (FFPA skips it) reads lse -inf, so the combine skips it: its out is never read
     out_p = torch.empty((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse_t = None if in_place or not plan.tail else torch.empty((hq, b * nq), dtype=torch.float32, device=q.device)
     lse_p = torch.empty((hq, b * p * nq), dtype=torch.float32, device=q.device)
-    if prefill:
+    if plan.prefill(b):
         lse_p.fill_(float("-inf"))
+    _launches(plan, setup, q, q_split, kf, vf, scale, out_p, lse_p, lse_t, out, lse, in_place, fill_tail=True)
+
+
+def _split_device(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
+                  out: Tensor, lse: Tensor, keys: Tensor, packed: tuple[Tensor, int] | None = None) -> None:
+    """The split route with the keys' lengths on the device: ``keys`` int32, sequence b's valid keys ``[B]`` from
+    flat row ``b * rows`` (``rows >= 0``), or ``cu_seqlens_k [B + 1]`` (``rows`` -1: packed keys). ``packed =
+    (cu_seqlens_q, Nq)``: q ``[Tq, Hq, D]``, out ``[Tq, Hq, Dv]``, lse ``[Hq, Tq]`` packed, run as the dense problem
+    of Nq queries (:mod:`xattn.core.split_kv`, "Packed queries"); else q ``[B, Nq, Hq, D]``, out ``[B, Nq, Hq, Dv]``,
+    lse ``[B, Hq, Nq]``. One index kernel (:mod:`xattn.core.split_meta_sm90`) writes the launches' ``cu_seqlens_k``,
+    the lse pre-fills and the packed gathers: no sync, nothing else between the launches but the packed gathers."""
+    hq, d, dv, dev = q.shape[-2], q.shape[-1], vf.shape[-1], q.device
+    b, nq = (packed[0].shape[0] - 1, packed[1]) if packed else q.shape[:2]
+    p = plan.partials
+    rows_d = b * nq
+    # lse: the partials [Hq, B P Nq], the tail's [Hq, B Nq], (packed) the combined [Hq, B Nq + 1] with a sentinel
+    # column; all -inf first. out (packed): the combined [B Nq + 1, Hq, Dv] with a zero sentinel row. Packed rows
+    # outside every sequence read the sentinels: out 0, lse -inf
+    sizes = (hq * rows_d * p, hq * rows_d if plan.tail else 0, hq * (rows_d + 1) if packed else 0)
+    lse_all = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
+    lse_p = lse_all[:sizes[0]].view(hq, rows_d * p)
+    lse_t = lse_all[sizes[0]:sizes[0] + sizes[1]].view(hq, rows_d) if plan.tail else None
+    cu_k = torch.empty(b * (p + 1) + 1, dtype=torch.int32, device=dev)
+    tail_k = torch.empty(2 * b + 1, dtype=torch.int32, device=dev) if plan.tail else cu_k
+    gathers = None
+    if packed:
+        out_all = torch.empty((rows_d + 1, hq, dv), dtype=q.dtype, device=dev)
+        lse_rows = lse_all[sizes[0] + sizes[1]:].view(hq, rows_d + 1)
+        gathers = (packed[0], torch.empty(rows_d, dtype=torch.int32, device=dev),
+                   torch.empty(q.shape[0], dtype=torch.int32, device=dev), out_all[rows_d].view(-1).view(torch.int32))
+    ops.LAUNCH["split_meta"](_split_meta_spec(family, plan.tail, packed is not None), keys, cu_k, tail_k, lse_all,
+                             gathers, batch=b, rows=rows, key_rows=kf.shape[0], seqlen_q=nq, splits=plan.splits,
+                             chunk=plan.chunk)
+    q_d, out_d, lse_d = q, out, lse
+    if packed:
+        q_d = q.index_select(0, gathers[1]).view(b, nq, hq, d)
+        out_d = out_all[:rows_d].view(b, nq, hq, dv)
+        lse_d = lse_rows[:, :rows_d].view(hq, b, nq).permute(1, 0, 2)
+    q_split = _slots(q_d, p)
+    setup = _setup(plan, family, q_split, q_d, kf, vf, max(rows, 0), nk)
+    setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=kf.shape[0], tail_max_k=kf.shape[0])
+    out_p = torch.empty((rows_d * p, hq, dv), dtype=q.dtype, device=dev)
+    _launches(plan, setup, q_d, q_split, kf, vf, scale, out_p, lse_p, lse_t, out_d, lse_d, False, fill_tail=False)
+    if packed:
+        torch.index_select(out_all, 0, gathers[2], out=out)
+        torch.index_select(lse_rows, 1, gathers[2], out=lse)
+
+
+def _launches(plan: SplitPlan, setup: _Setup, q: Tensor, q_split: Tensor, kf: Tensor, vf: Tensor, scale: float,
+              out_p: Tensor, lse_p: Tensor, lse_t: Tensor | None, out: Tensor, lse: Tensor, in_place: bool,
+              fill_tail: bool) -> None:
+    """The split launch, the causal tail beside it (into its slot, or into ``lse_t``'s rows and copied there;
+    ``fill_tail``: pre-fill those with -inf here), and the combine into ``out [B, Nq, Hq, Dv]`` / ``lse [B, Hq, Nq]``
+    (strided views welcome)."""
+    b, nq, hq, d = q.shape
+    dv = vf.shape[-1]
+    p = plan.partials
     side = Side(q.device) if plan.tail else None
     if side:  # the causal tail runs beside the splits: its few CTAs take SMs the splits leave idle
         if in_place:  # the last Nq partial rows, past the split launch's documents
             out_t, lse_t = out_p[(p - 1) * nq:], lse_p[:, (p - 1) * nq:]
         else:
             out_t = torch.empty((b * nq, hq, dv), dtype=q.dtype, device=q.device)
-            lse_t = torch.empty((hq, b * nq), dtype=torch.float32, device=q.device)
         with side.fork():
-            if not in_place:
+            if not in_place and fill_tail:
                 lse_t.fill_(float("-inf"))
             ops.LAUNCH["fwd"](setup.tail_checked, q.reshape(b * nq, hq, d), kf, vf, out_t, lse_t,
                               softmax_scale=scale, cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k,
@@ -324,3 +370,6 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
         side.join()
     ops.LAUNCH["combine"](setup.combine, out_p.view(b, p, nq, hq, dv).permute(1, 0, 2, 3, 4),
                           lse_p.view(hq, b, p, nq).permute(2, 1, 3, 0), out, lse.permute(0, 2, 1))
+
+
+_split_meta_spec = functools.lru_cache(maxsize=8)(SplitMetaSpec)  # built once per variant, not per step
