@@ -4,6 +4,9 @@
 #   tests        all @pytest.mark.gpu tests (core, torch, jax, cold start)
 #   tests-core   the core kernel tests only
 #   tests-list   the @pytest.mark.gpu tests of the files or node ids in GPU_TESTS (space-separated), in one process
+#   fuzz-shards-FE  the GPU fuzz of front end FE (jax, torch, core, ...) in FUZZ_SHARDS processes side by side
+#                (default 6; XATTN_FUZZ_SHARD=i/k each, XATTN_FUZZ_START/_N honoured), merged into
+#                $OUT/results/fuzz_h200.json (python -m tests.fuzz.results merge); logs in $OUT/gpu_tests.log
 #   bench        core suite -> $OUT/results/core_h200.json
 #   cold         cold vs warm start -> $OUT/results/cold_start_h200.json
 #   full-PART    benchmarks/full.py --part PART (d512, small, hf, sliding, varlen, host, peak), appended to
@@ -80,6 +83,17 @@ for step in "$@"; do
     tests-core) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider tests/core 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tests-list) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 ${GPU_TESTS:?GPU_TESTS names the tests} 2>&1 \
               | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
+    fuzz-shards-*) fe=${step#fuzz-shards-}; k=${FUZZ_SHARDS:-6}; dir=/var/tmp/xattn-fuzz; rm -rf "$dir"; mkdir -p "$dir"
+            for i in $(seq 0 $((k - 1))); do
+              XATTN_FUZZ_SHARD="$i/$k" XATTN_FUZZ_OUT="$dir/shard_$i.json" timeout "$((t - 15))" python -m pytest -m fuzz -q \
+                -p no:cacheprovider "tests/fuzz/test_fuzz_${fe//-/_}.py" > "$dir/shard_$i.log" 2>&1 &
+            done
+            wait
+            for i in $(seq 0 $((k - 1))); do echo "--- shard $i/$k"; tail -4 "$dir/shard_$i.log"; done >> "$OUT/gpu_tests.log"
+            if ls "$dir"/shard_*.json > /dev/null 2>&1; then
+              python -m tests.fuzz.results merge --out "$OUT/results/fuzz_h200.json" --note "$k shards side by side" \
+                "$dir"/shard_*.json 2>&1 | tee -a "$OUT/gpu_tests.log"
+            else echo "fuzz-shards: no shard wrote results" | tee -a "$OUT/gpu_tests.log"; fi ;;
     tests-*) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider "tests/${step#tests-}" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -30 ;;
     bench) timeout "$t" python benchmarks/bench.py --out "$OUT/results/core_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -30 ;;
     cold) timeout "$t" python benchmarks/cold_start.py --out "$OUT/results/cold_start_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -20 ;;

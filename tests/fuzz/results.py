@@ -12,21 +12,28 @@ configuration or one with a choice of routes, ``[seed, pool entry, routes run, p
 Rows of front ends that did not run in this session are kept from an existing file, so front ends
 can run in separate processes (or device calls) and still end up in one file. With ``autosave`` the
 file is rewritten after every configuration, so a run cut short by a time limit still leaves its rows
-(``configs`` < ``n_requested`` shows it).
+(``configs`` < ``n_requested`` shows it; ``selection`` names a ``XATTN_FUZZ_START`` / ``XATTN_FUZZ_SHARD`` part).
+
+Parts of one front end's run (shards run side by side, a run resumed in a later device call) become one row::
+
+    python -m tests.fuzz.results merge --out fuzz.json part1.json part2.json ...
+
+counts, routes and route runs summed, the worst ratio kept, each part listed under ``parts``.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
 import os
 from pathlib import Path
 
-from .space import ALL_FRONT_ENDS, POOL, Config
+from .space import ALL_FRONT_ENDS, POOL, Config, selection_note
 from .tolerance import K
 
-__all__ = ["Collector", "output_path", "DESCRIPTIONS", "DIMENSIONS"]
+__all__ = ["Collector", "output_path", "merge_rows", "document", "DESCRIPTIONS", "DIMENSIONS"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DESCRIPTIONS = {
@@ -116,6 +123,8 @@ class Collector:
                         "only": self.only, "device": device, "date": date, "seconds": round(row["seconds"], 1),
                         "kernels": self.kernels, "what": DESCRIPTIONS.get(front_end, ""),
                         "routes": row.get("routes", {}), "route_runs": row.get("route_runs", [])})
+            if self.only is None and selection_note(self.n):
+                out[-1]["selection"] = selection_note(self.n)
         return out
 
     def write(self, path, device: str, date: str | None = None) -> dict:
@@ -129,12 +138,106 @@ class Collector:
                         if r.get("front_end") not in self.rows]
             except (ValueError, AttributeError):
                 kept = []
-        order = {fe: i for i, fe in enumerate(ALL_FRONT_ENDS)}
-        rows = sorted(kept + new, key=lambda r: order.get(r.get("front_end"), 9))
-        doc = {"suite": "pytest -m fuzz tests/fuzz (random configurations vs fp64, forward and backward)",
-               "tolerance": TOLERANCE, "pool_launchers": 2 * len(POOL), "dimensions": DIMENSIONS, "rows": rows}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, path)
+        doc = document(kept + new)
+        _write_json(path, doc)
         return doc
+
+
+def document(rows: list[dict]) -> dict:
+    """The results file's document around ``rows`` (ordered by front end)."""
+    order = {fe: i for i, fe in enumerate(ALL_FRONT_ENDS)}
+    rows = sorted(rows, key=lambda r: order.get(r.get("front_end"), 9))
+    return {"suite": "pytest -m fuzz tests/fuzz (random configurations vs fp64, forward and backward)",
+            "tolerance": TOLERANCE, "pool_launchers": 2 * len(POOL), "dimensions": DIMENSIONS, "rows": rows}
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+_SAME = ("front_end", "seed", "n_requested", "kernels", "only")  # the parts of one run agree on these
+
+
+def _parts(row: dict) -> list[dict]:
+    """A row's own ``parts`` (a row merged before), else the row as one part."""
+    if "parts" in row:
+        return list(row["parts"])
+    return [{"selection": row.get("selection") or row.get("note") or "all", "configs": row["configs"],
+             "device": row["device"], "date": row["date"], "seconds": row["seconds"]}]
+
+
+def merge_rows(rows: list[dict]) -> dict:
+    """One row from the rows of parts of one front end's run (same front end, seed, count, kernels): counts,
+    seconds and route tallies summed, failing seeds and errors united, the worst ratio kept; ``parts`` lists
+    each part's selection (or note), configurations, device and date. Raises ValueError when the parts
+    disagree or together hold more configurations than the run asked for."""
+    if not rows:
+        raise ValueError("merge_rows: no rows")
+    first = rows[0]
+    for r in rows[1:]:
+        diff = [k for k in _SAME if r.get(k) != first.get(k)]
+        if diff:
+            raise ValueError(f"merge_rows: parts differ in {diff}: {[r.get(k) for k in diff]} vs "
+                             f"{[first.get(k) for k in diff]}")
+    total = sum(r["configs"] for r in rows)
+    if first.get("only") is None and total > first["n_requested"]:
+        raise ValueError(f"merge_rows: {total} configurations in the parts, the run asked for {first['n_requested']}"
+                         " (a part merged twice?)")
+    seen: set[int] = set()
+    for r in rows:  # the configurations with a choice of routes name their seeds: none may be in two parts
+        seeds = {run[0] for run in r.get("route_runs", [])}
+        if seeds & seen:
+            raise ValueError(f"merge_rows: seeds {sorted(seeds & seen)[:5]} are in two parts (a part merged twice?)")
+        seen |= seeds
+    worst = max(rows, key=lambda r: math.inf if r["worst_err_over_tol"] == "inf" else r["worst_err_over_tol"])
+    routes: dict[str, dict] = {}
+    for r in rows:
+        for name, count in r.get("routes", {}).items():
+            acc = routes.setdefault(name, {"runs": 0, "failed": 0})
+            acc["runs"] += count["runs"]
+            acc["failed"] += count["failed"]
+    devices = sorted({r["device"] for r in rows})
+    out = dict(first, configs=total, passed=sum(r["passed"] for r in rows), failed=sum(r["failed"] for r in rows),
+               worst_err_over_tol=worst["worst_err_over_tol"], worst=worst["worst"],
+               failing_seeds=sorted(s for r in rows for s in r["failing_seeds"]),
+               errors={k: v for r in rows for k, v in r.get("errors", {}).items()},
+               device=" + ".join(devices), date=max(r["date"] for r in rows),
+               seconds=round(sum(r["seconds"] for r in rows), 1), routes=routes,
+               route_runs=[x for r in rows for x in r.get("route_runs", [])],
+               parts=[part for r in rows for part in _parts(r)])
+    out.pop("selection", None)
+    out.pop("note", None)
+    return out
+
+
+def _merge_main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tests.fuzz.results merge",
+                                 description="Merge fuzz results files; the rows of one front end become one row.")
+    ap.add_argument("--out", required=True, type=Path, help="the merged results file (overwritten)")
+    ap.add_argument("--note", default=None, help="a note for every merged row")
+    ap.add_argument("inputs", nargs="+", type=Path)
+    args = ap.parse_args(argv)
+    by_front_end: dict[str, list[dict]] = {}
+    for path in args.inputs:
+        for row in json.loads(path.read_text()).get("rows", []):
+            by_front_end.setdefault(row["front_end"], []).append(row)
+    rows = []
+    for front_end, parts in by_front_end.items():
+        row = merge_rows(parts) if len(parts) > 1 else parts[0]
+        if args.note and len(parts) > 1:
+            row["note"] = args.note
+        rows.append(row)
+        print(f"{front_end}: {row['configs']} configurations in {len(parts)} part(s), {row['passed']} passed, "
+              f"{row['failed']} failed, worst err/tol {row['worst_err_over_tol']}")
+    _write_json(args.out, document(rows))
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["merge"]:
+        sys.exit("usage: python -m tests.fuzz.results merge --out OUT IN [IN ...]")
+    _merge_main(sys.argv[2:])

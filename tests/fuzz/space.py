@@ -15,7 +15,9 @@ Seeds: the base seed is ``XATTN_FUZZ_SEED`` (default :data:`DEFAULT_SEED`); conf
 front end gets ``config_seed(base, front_end, i)``, and ``draw(front_end, seed)`` rebuilds it from
 that seed alone, so ``XATTN_FUZZ_ONLY=<seed>[,<seed>...]`` reruns one failing configuration.
 ``XATTN_FUZZ_N`` configurations per front end (default 1000); ``XATTN_FUZZ_START=k`` runs configurations k..N-1 only
-(a run cut short by a device call's time limit resumes there). The drop-in front ends (``hf``, ``fa4-doc``,
+(a run cut short by a device call's time limit resumes there); ``XATTN_FUZZ_SHARD=i/k`` keeps every k-th of those,
+from the i-th on (``scripts/gpu_run.sh fuzz-shards-<front end>`` runs k processes side by side and merges their
+rows with ``python -m tests.fuzz.results merge``). The drop-in front ends (``hf``, ``fa4-doc``,
 ``jax-nn``) draw their argument forms in ``forms.py`` from the same seeds.
 
 Imports neither torch nor jax (the prefill script imports it).
@@ -32,8 +34,8 @@ from dataclasses import dataclass, field
 from xattn.core.spec import KernelSpec, supports
 
 __all__ = ["POOL", "FRONT_ENDS", "PoolEntry", "Config", "Limits", "GPU_LIMITS", "CPU_LIMITS", "launcher_pool",
-           "config_seed", "draw", "configs", "env_settings", "spellings", "refusals", "DEFAULT_SEED", "DEFAULT_N",
-           "FORM_FRONT_ENDS", "ALL_FRONT_ENDS"]
+           "config_seed", "draw", "configs", "env_settings", "selected_indices", "selection_note", "spellings",
+           "refusals", "DEFAULT_SEED", "DEFAULT_N", "FORM_FRONT_ENDS", "ALL_FRONT_ENDS"]
 
 DEFAULT_SEED = 20261201
 DEFAULT_N = 1000
@@ -483,6 +485,29 @@ def env_settings() -> tuple[int, int, list[int] | None]:
     return base, n, seeds
 
 
+def selected_indices(n: int) -> range:
+    """The configuration indices of this process: ``XATTN_FUZZ_START`` .. n-1, every k-th from the i-th under
+    ``XATTN_FUZZ_SHARD=i/k`` (0 <= i < k)."""
+    start = int(os.environ.get("XATTN_FUZZ_START", 0))  # resume a run cut short: configurations start..n-1
+    shard = os.environ.get("XATTN_FUZZ_SHARD", "0/1")
+    try:
+        i, k = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise ValueError(f"XATTN_FUZZ_SHARD={shard!r}: expected 'i/k' with 0 <= i < k") from None
+    if not 0 <= i < k:
+        raise ValueError(f"XATTN_FUZZ_SHARD={shard!r}: expected 'i/k' with 0 <= i < k")
+    return range(start + i, n, k)
+
+
+def selection_note(n: int) -> str:
+    """What :func:`selected_indices` keeps, in words (empty for the whole run)."""
+    start, shard = int(os.environ.get("XATTN_FUZZ_START", 0)), os.environ.get("XATTN_FUZZ_SHARD", "0/1")
+    parts = [f"configurations {start}-{n - 1}"] if start else []
+    if shard != "0/1":
+        parts.append(f"shard {shard}")
+    return ", ".join(parts)
+
+
 def configs(front_end: str, n: int | None = None, base: int | None = None, only=None,
             limits: Limits = GPU_LIMITS) -> list[Config]:
     """The configurations of one front end: ``n`` seeded draws, or exactly the seeds in ``only``."""
@@ -490,8 +515,8 @@ def configs(front_end: str, n: int | None = None, base: int | None = None, only=
     base = env_base if base is None else base
     n = env_n if n is None else n
     only = env_only if only is None else only
-    start = int(os.environ.get("XATTN_FUZZ_START", 0))  # resume a run cut short: configurations start..n-1
-    seeds = list(only) if only else [config_seed(base, front_end, i) for i in range(start, n)]
+    indices = selected_indices(n)
+    seeds = list(only) if only else [config_seed(base, front_end, i) for i in indices]
     if front_end in FORM_FRONT_ENDS:
         from .forms import draw_form
 

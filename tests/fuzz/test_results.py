@@ -3,6 +3,8 @@ seeds, seed, device and date; a later session's rows replace only their own fron
 
 import json
 
+import pytest
+
 from .results import Collector, output_path
 from .space import POOL, draw
 from .tolerance import Check
@@ -65,3 +67,42 @@ def test_autosave_rewrites_the_file_after_every_configuration(tmp_path):
     assert (row["configs"], row["n_requested"], row["device"]) == (1, 300, "gpu")
     c.record(draw("jax", 2), [_check("out", 0.5, 1.0)])
     assert json.loads(path.read_text())["rows"][0]["configs"] == 2
+
+
+def _part(tmp_path, name, seeds, shard, monkeypatch, ratio=0.1):
+    monkeypatch.setenv("XATTN_FUZZ_SHARD", shard)
+    c = Collector(base_seed=7, n=4)
+    for s in seeds:
+        cfg = draw("jax", s)
+        c.record(cfg, [_check("out", ratio, 1.0)], seconds=1.0, routes=("fused", "split-kv"))
+    path = tmp_path / name
+    c.write(path, device="NVIDIA H100 80GB HBM3", date="2026-12-05")
+    return path
+
+
+def test_shards_select_every_kth_configuration_and_merge_into_one_row(tmp_path, monkeypatch, capsys):
+    from . import results
+    from .space import selected_indices
+
+    monkeypatch.setenv("XATTN_FUZZ_START", "1")
+    monkeypatch.setenv("XATTN_FUZZ_SHARD", "1/2")
+    assert list(selected_indices(8)) == [2, 4, 6]
+    monkeypatch.setenv("XATTN_FUZZ_SHARD", "2/2")
+    with pytest.raises(ValueError, match="XATTN_FUZZ_SHARD"):
+        selected_indices(8)
+    monkeypatch.delenv("XATTN_FUZZ_START")
+    a = _part(tmp_path, "a.json", [21, 22], "0/2", monkeypatch)
+    b = _part(tmp_path, "b.json", [23], "1/2", monkeypatch, ratio=0.7)
+    assert json.loads(a.read_text())["rows"][0]["selection"] == "shard 0/2"
+    results._merge_main(["--out", str(tmp_path / "m.json"), "--note", "two shards", str(a), str(b)])
+    (row,) = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert (row["configs"], row["passed"], row["failed"], row["seconds"]) == (3, 3, 0, 3.0)
+    assert row["worst_err_over_tol"] == 0.7 and row["note"] == "two shards" and "selection" not in row
+    assert row["routes"]["split-kv"] == {"runs": 3, "failed": 0}
+    assert [p["selection"] for p in row["parts"]] == ["shard 0/2", "shard 1/2"]
+    assert "3 configurations in 2 part(s)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="two parts"):  # a part merged twice
+        results.merge_rows([row, json.loads(b.read_text())["rows"][0]])
+    other = dict(json.loads(b.read_text())["rows"][0], seed=8)
+    with pytest.raises(ValueError, match="differ in"):
+        results.merge_rows([json.loads(a.read_text())["rows"][0], other])
