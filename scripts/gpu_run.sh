@@ -16,6 +16,8 @@
 #   split-kernels  benchmarks/tools/split_kv_probe.py kernels (CUDA time per kernel of one split-KV call; SPLIT_PROBE_SHAPES)
 #   split-host   benchmarks/tools/split_host_probe.py (host time of a decode call, where it goes; SPLIT_HOST_SHAPES,
 #                SPLIT_HOST_CALLS, SPLIT_HOST_PROFILE=1 for the cProfile / torch.profiler tables)
+#   tile-probe   benchmarks/tools/decode_tile_probe.py (FA4 split-KV decode tiles and a PDL combine vs SDPA at d128;
+#                TILE_PROBE_ARGS) -> $OUT/probe.log
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
 #   timing       benchmarks/tools/timing_method_probe.py (torch paths under do_bench and the JAX loop)
 #   e2e-PART     benchmarks/e2e_gemma4.py --parts PART (torch or jax) -> $OUT/results/e2e_gemma4_h200.json, continuing
@@ -106,6 +108,8 @@ for step in "$@"; do
     split-host) timeout "$t" python benchmarks/tools/split_host_probe.py ${SPLIT_HOST_SHAPES:+--shapes "$SPLIT_HOST_SHAPES"} \
               ${SPLIT_HOST_CALLS:+--calls "$SPLIT_HOST_CALLS"} ${SPLIT_HOST_PROFILE:+--profile} 2>&1 \
               | grep --line-buffered -v Warning | tee -a "$OUT/probe.log" | tail -20 ;;
+    tile-probe) timeout "$t" python benchmarks/tools/decode_tile_probe.py ${TILE_PROBE_ARGS:-} 2>&1 \
+              | grep --line-buffered -v Warning | tee -a "$OUT/probe.log" | tail -80 ;;
     probe) timeout "$t" python benchmarks/tools/host_overhead_probe.py 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -25 ;;
     e2e-profile) timeout "$t" python benchmarks/tools/e2e_profile.py --seqlen "${E2E_PROFILE_N:-8192}" 2>&1 | grep --line-buffered -v Warning \
               | tee -a "$OUT/steps.log" | tail -70 ;;
