@@ -3,7 +3,7 @@ layer dims (:func:`benchmarks.ring.gemma4_31b_dims`: 6 layers, 5 sliding : 1 ful
 on well-conditioned weights (:func:`benchmarks.e2e_gemma4.condition`).
 
     python benchmarks/decode.py [--impls ffpa,sdpa,flash_attention_2] [--modes eager,graphs]
-                                [--prompt 8192] [--tokens 64] [--rounds 1] [--out FILE]
+                                [--prompt 8192] [--tokens 64] [--rounds 1] [--repeats 5] [--out FILE]
 
 Modes:
 
@@ -13,13 +13,15 @@ Modes:
   ``generate(..., cache_implementation="static")`` runs. The prefill runs eager.
 
 Each (impl, mode) runs in its own process: one warm-up ``generate()`` (kernels loaded; graphs compiled
-and captured), then 5 times a 1-token and a ``--tokens``-token ``generate()`` (synchronised):
+and captured), then ``--repeats`` (5) times a 1-token and a ``--tokens``-token ``generate()`` (synchronised):
 ``prefill_s`` is the 1-token call, ``ms_per_token`` the difference per extra token (medians). That is
 the whole decode step as a user sees it: HF's per-step work (mask creation, logits processing, its
 own host syncs) included. ``tokens`` are the greedy tokens, so rows can be compared with sdpa's
 (``tokens_equal_sdpa``: the share of leading tokens equal). ``--rounds R`` measures every (impl, mode) R
 times, the impls alternating, and reports the median of the rounds (``ms_per_token_rounds``): eager decode
 is bound by the host, whose speed drifts between processes (on the H200 machine, by up to 1.5x).
+Each ``generate()`` prefills the prompt anew: where one prefill is long (sdpa's d512 prefill at 128k, ~24 s on an
+H200), ``--repeats 1`` keeps a row to 3 prefills (``repeats`` is in each row).
 Rows: ``impl, mode, prompt_len, new_tokens, ms_per_token, prefill_s, status`` ("ok" / "oom" / "error: ...").
 """
 
@@ -128,21 +130,21 @@ class Decoder:
                     ms_per_token_runs=[round(x, 3) for x in per_token], tokens=tokens)
 
 
-def child(impl: str, mode: str, prompt: int, tokens: int) -> dict:
+def child(impl: str, mode: str, prompt: int, tokens: int, repeats: int = 5) -> dict:
     import torch
 
-    got = Decoder(build_model(impl), mode, prompt, tokens).run()
+    got = Decoder(build_model(impl), mode, prompt, tokens).run(repeats)
     from torch._dynamo.utils import counters  # after the run: nothing compile-related is imported by eager rows
     stats = dict(unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
                  **{k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
     return dict(**got, compile_stats=stats, device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE)
 
 
-def measure(impl: str, mode: str, prompt: int, tokens: int, timeout: float) -> dict:
+def measure(impl: str, mode: str, prompt: int, tokens: int, timeout: float, repeats: int = 5) -> dict:
     from benchmarks.e2e_gemma4 import run_child
 
-    row = dict(impl=impl, mode=mode, prompt_len=prompt, new_tokens=tokens, batch=1, layers=LAYERS)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, mode, str(prompt), str(tokens)]
+    row = dict(impl=impl, mode=mode, prompt_len=prompt, new_tokens=tokens, batch=1, layers=LAYERS, repeats=repeats)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, mode, str(prompt), str(tokens), str(repeats)]
     t0 = time.perf_counter()
     got, row["status"] = run_child(cmd, timeout)
     if got is not None:
@@ -202,12 +204,15 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per (impl, mode) process")
     ap.add_argument("--rounds", type=int, default=1, help="measure each (impl, mode) this often, alternating")
+    ap.add_argument("--repeats", type=int, default=5, help="timed generate() pairs per process (median)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats: at least 1")
     if args.child:
-        impl, mode, prompt, tokens = args.child
-        print("RESULT " + json.dumps(child(impl, mode, int(prompt), int(tokens))), flush=True)
+        impl, mode, prompt, tokens, repeats = args.child
+        print("RESULT " + json.dumps(child(impl, mode, int(prompt), int(tokens), int(repeats))), flush=True)
         return
     for name, allowed in (("impls", IMPLS), ("modes", MODES)):
         bad = set(getattr(args, name).split(",")) - set(allowed)
@@ -221,7 +226,8 @@ def main(argv=None):
         for _ in range(args.rounds):  # impls alternate round by round: the host's speed drifts between processes
             for impl in args.impls.split(","):
                 rows = [r for r in rows if (r["impl"], r["mode"], r["prompt_len"]) != (impl, mode, args.prompt)]
-                rounds[impl, mode].append(measure(impl, mode, args.prompt, args.tokens, args.timeout))
+                rounds[impl, mode].append(measure(impl, mode, args.prompt, args.tokens, args.timeout,
+                                                   args.repeats))
                 log(json.dumps({k: v for k, v in rounds[impl, mode][-1].items() if k != "tokens"}))
                 rows.append(combine(rounds[impl, mode]))
             rows = derive(rows)

@@ -39,7 +39,7 @@
 #   bwd-profile  benchmarks/tools/gemm_bwd_profile.py (CUDA time per kernel of the GEMM backward; never autotune on the device)
 #   e2e-profile  benchmarks/tools/e2e_profile.py (CUDA time per kernel of the torch e2e step, ffpa vs none; E2E_PROFILE_N)
 #   decode       benchmarks/decode.py (greedy decode ms/token, eager and CUDA graphs; DECODE_IMPLS, DECODE_MODES,
-#                DECODE_PROMPT, DECODE_ROUNDS) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
+#                DECODE_PROMPT, DECODE_ROUNDS, DECODE_REPEATS, DECODE_TIMEOUT) -> $OUT/results/decode_h200.json, continuing benchmarks/results/decode_h200.json
 #   cb           benchmarks/continuous_batching.py (HF generate_batch tokens/s, ffpa vs sdpa; CB_REQUESTS, CB_PROMPT)
 #                -> $OUT/results/continuous_batching_h200.json
 #   decode-attn  benchmarks/decode_attention.py (one decoding attention call: ms, HBM share; DECODE_ATTN_ARGS)
@@ -122,6 +122,7 @@ for step in "$@"; do
               && cp benchmarks/results/decode_h200.json "$OUT/results/decode_h200.json"
             timeout "$t" python benchmarks/decode.py --impls "${DECODE_IMPLS:-ffpa,sdpa,flash_attention_2}" \
               --modes "${DECODE_MODES:-eager,graphs}" --prompt "${DECODE_PROMPT:-8192}" --rounds "${DECODE_ROUNDS:-1}" \
+              --repeats "${DECODE_REPEATS:-5}" ${DECODE_TIMEOUT:+--timeout "$DECODE_TIMEOUT"} \
               --out "$OUT/results/decode_h200.json" 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -12 ;;
     decode-attn) timeout "$t" python benchmarks/decode_attention.py --out "$OUT/results/decode_attention_h200.json" \
               ${DECODE_ATTN_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/steps.log" | tail -60 ;;

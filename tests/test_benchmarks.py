@@ -290,6 +290,8 @@ def test_decode_rounds_combine_to_their_median():
     assert row["ms_per_token"] == 10.0 and row["prefill_s"] == 0.2 and row["ms_per_token_rounds"] == [9.0, 14.0, 10.0]
     failed = dict(impl="ffpa", mode="eager", status="error: timeout after 300 s")
     assert decode.combine(rounds[:1]) == rounds[0] and decode.combine([rounds[0], failed]) == failed
+    with pytest.raises(SystemExit):  # --repeats 0 would time nothing
+        decode.main(["--repeats", "0"])
 
 
 def test_run_child_reports_result_error_and_timeout():
