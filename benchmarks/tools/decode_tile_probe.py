@@ -17,7 +17,6 @@ Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -26,25 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 HQ, HKV, D = 32, 8, 128
-
-
-@contextlib.contextmanager
-def _pdl_launches():
-    """Every CuTeDSL kernel launch traced inside the block gets ``use_pdl=True`` (the combine's kernel waits on
-    ``griddepcontrol`` before it reads the partials, so it may start while the split launch drains)."""
-    from cutlass.cutlass_dsl import cutlass as dsl
-
-    launch = dsl.KernelLauncher.launch
-
-    def with_pdl(self, *args, **kwargs):
-        kwargs.setdefault("use_pdl", True)
-        return launch(self, *args, **kwargs)
-
-    dsl.KernelLauncher.launch = with_pdl
-    try:
-        yield
-    finally:
-        dsl.KernelLauncher.launch = launch
 
 
 def split_spec():
@@ -73,8 +53,7 @@ def compile_split(spec, tile_m: int, tile_n: int):
 def compile_combine(spec, pdl: bool):
     from xattn.core.combine_sm90 import compile_combine as build
 
-    with _pdl_launches() if pdl else contextlib.nullcontext():
-        return build(spec)
+    return build(spec, pdl=pdl)
 
 
 def _install(spec, function):

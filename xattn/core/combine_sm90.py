@@ -8,9 +8,15 @@ Launcher signature (glossary of :mod:`xattn.core.split_kv`; tensors are strided 
   out [B, Nq, Hq, Dv] (dtype), lse [B, Nq, Hq] f32 (Nq stride 1)
 
 Every element of out and lse is written; P <= :data:`~xattn.core.split_kv.MAX_PARTIALS`.
+
+With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
+in the stream (the split launch) drains, and waits on ``griddepcontrol`` before it reads the partials (the
+kernel's own first step); FlashAttention launches it without.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from .symbolic import CUTE_DTYPES, compile_launcher  # noqa: F401  (pins the DSL arch first)
 
@@ -36,9 +42,32 @@ class _Combine:
         self.kernel(mO_partial, mLSE_partial, mO, mLSE, None, None, None, None, None, stream)
 
 
-def compile_combine(spec: CombineSpec):
-    """Compile the combine launcher of ``spec``; returns the compiled TVM-FFI function. Its trailing scalar
-    is unused (every xattn launcher ends with one float: the launch path passes the softmax scale)."""
+PDL = False  # launch the combine with programmatic dependent launch (module docstring)
+
+
+@contextlib.contextmanager
+def launches_with_pdl():
+    """Every CuTeDSL kernel launch traced inside the block gets ``use_pdl=True`` (FlashAttention's combine
+    hard-codes its launch options; this sets the one it leaves out)."""
+    from cutlass.cutlass_dsl import cutlass as dsl
+
+    launch = dsl.KernelLauncher.launch
+
+    def with_pdl(self, *args, **kwargs):
+        kwargs.setdefault("use_pdl", True)
+        return launch(self, *args, **kwargs)
+
+    dsl.KernelLauncher.launch = with_pdl
+    try:
+        yield
+    finally:
+        dsl.KernelLauncher.launch = launch
+
+
+def compile_combine(spec: CombineSpec, pdl: bool | None = None):
+    """Compile the combine launcher of ``spec`` (``pdl``: launch with programmatic dependent launch; default
+    :data:`PDL`); returns the compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher
+    ends with one float: the launch path passes the softmax scale)."""
     dtype = CUTE_DTYPES[spec.dtype]
     dv = spec.head_dim_v
     # FlashAttention's head-dim block (64 for Dv <= 64, else 128). The row tile must match the copy's thread
@@ -58,4 +87,5 @@ def compile_combine(spec: CombineSpec):
                make_fake_tensor(Float32, (p, b, n, h), divisibility=1, leading_dim=2),
                make_fake_tensor(dtype, (b, n, h, dv), divisibility=div),
                make_fake_tensor(Float32, (b, n, h), divisibility=1, leading_dim=1))
-    return compile_launcher(_Combine(kernel), tensors)
+    with launches_with_pdl() if (PDL if pdl is None else pdl) else contextlib.nullcontext():
+        return compile_launcher(_Combine(kernel), tensors)
