@@ -5,7 +5,8 @@
 #   tests-core   the core kernel tests only
 #   tests-list   the @pytest.mark.gpu tests of the files or node ids in GPU_TESTS (space-separated), in one process
 #   fuzz-shards-FE  the GPU fuzz of front end FE (jax, torch, core, ...) in FUZZ_SHARDS processes side by side
-#                (default 6; XATTN_FUZZ_SHARD=i/k each, XATTN_FUZZ_START/_N honoured), merged into
+#                (default 6; XATTN_FUZZ_SHARD=i/k each, XATTN_FUZZ_START/_N honoured; FUZZ_SHARD_STARTS=s0,s1,...
+#                gives each shard its own start, "-" skips one: a cut-short run resumes where each shard stopped), merged into
 #                $OUT/results/fuzz_h200.json (python -m tests.fuzz.results merge); logs in $OUT/gpu_tests.log
 #   bench        core suite -> $OUT/results/core_h200.json
 #   cold         cold vs warm start -> $OUT/results/cold_start_h200.json
@@ -86,12 +87,14 @@ for step in "$@"; do
     tests-list) timeout "$t" python -m pytest -m gpu -q -rP -p no:cacheprovider --durations=15 ${GPU_TESTS:?GPU_TESTS names the tests} 2>&1 \
               | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
     fuzz-shards-*) fe=${step#fuzz-shards-}; k=${FUZZ_SHARDS:-6}; dir=/var/tmp/xattn-fuzz; rm -rf "$dir"; mkdir -p "$dir"
+            IFS=, read -ra starts <<< "${FUZZ_SHARD_STARTS:-}"
             for i in $(seq 0 $((k - 1))); do
-              XATTN_FUZZ_SHARD="$i/$k" XATTN_FUZZ_OUT="$dir/shard_$i.json" timeout "$((t - 15))" python -m pytest -m fuzz -q \
+              start=${starts[$i]:-${XATTN_FUZZ_START:-0}}; [ "$start" = "-" ] && continue
+              XATTN_FUZZ_START="$start" XATTN_FUZZ_SHARD="$i/$k" XATTN_FUZZ_OUT="$dir/shard_$i.json" timeout "$((t - 15))" python -m pytest -m fuzz -q \
                 -p no:cacheprovider "tests/fuzz/test_fuzz_${fe//-/_}.py" > "$dir/shard_$i.log" 2>&1 &
             done
             wait
-            for i in $(seq 0 $((k - 1))); do echo "--- shard $i/$k"; tail -4 "$dir/shard_$i.log"; done >> "$OUT/gpu_tests.log"
+            for f in "$dir"/shard_*.log; do echo "--- $f"; tail -4 "$f"; done >> "$OUT/gpu_tests.log"
             if ls "$dir"/shard_*.json > /dev/null 2>&1; then
               python -m tests.fuzz.results merge --out "$OUT/results/fuzz_h200.json" --note "$k shards side by side" \
                 "$dir"/shard_*.json 2>&1 | tee -a "$OUT/gpu_tests.log"
