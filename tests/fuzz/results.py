@@ -123,8 +123,9 @@ class Collector:
                         "only": self.only, "device": device, "date": date, "seconds": round(row["seconds"], 1),
                         "kernels": self.kernels, "what": DESCRIPTIONS.get(front_end, ""),
                         "routes": row.get("routes", {}), "route_runs": row.get("route_runs", [])})
-            if self.only is None and selection_note(self.n):
-                out[-1]["selection"] = selection_note(self.n)
+            note = selection_note(self.n) if self.only is None else ""
+            if note:
+                out[-1]["selection"] = note
         return out
 
     def write(self, path, device: str, date: str | None = None) -> dict:

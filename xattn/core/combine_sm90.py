@@ -48,7 +48,9 @@ PDL = False  # launch the combine with programmatic dependent launch (module doc
 @contextlib.contextmanager
 def launches_with_pdl():
     """Every CuTeDSL kernel launch traced inside the block gets ``use_pdl=True`` (FlashAttention's combine
-    hard-codes its launch options; this sets the one it leaves out)."""
+    hard-codes its launch options; this sets the one it leaves out). The patch is process-wide while the block
+    runs: a compile on another thread at the same time would get PDL too, so use it only where PDL is meant for
+    everything compiled meanwhile (off by default: :data:`PDL`)."""
     from cutlass.cutlass_dsl import cutlass as dsl
 
     launch = dsl.KernelLauncher.launch
