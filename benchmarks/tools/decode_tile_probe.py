@@ -9,8 +9,9 @@ variant's out is checked against fp32 SDPA before it is timed.
         [--splits 0,8,16,32] [--pdl 0,1] [--compile-only]
 
 Variants: tile ``MxN`` of the split launch (FlashAttention's sm90 forward, one MMA warpgroup per 64 rows;
-``128x128`` is flash_attn's own d128 choice; ``xattn.core.split_kv.SPLIT_TILES`` is the shipped one) x combine PDL off/on x num_splits (0: the
-route's rule). ``--compile-only`` compiles the variants on a CPU (CUTE_DSL_ARCH=sm_90a) and exits.
+``128x128`` is flash_attn's own d128 choice; ``xattn.core.split_kv.SPLIT_TILES`` the shipped one) x combine PDL
+off/on x num_splits (0: the route's rule). ``--compile-only`` compiles the variants on a CPU
+(CUTE_DSL_ARCH=sm_90a) and exits.
 Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benchmarks/decode_attention.py.
 """
 

@@ -72,7 +72,7 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (PagedMetaSpec("ffpa", T
 # The contiguous split route's index kernel (xattn.core.split_meta_sm90).
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (SplitMetaSpec("ffpa", True),
                                                            SplitMetaSpec("fa4", False, True))]
-# FA4's split launch with the decode tile (xattn.core.fa4_split_sm90), both dtypes.
+# FA4's split launch with the decode tile (xattn.core.split_kv.SplitFwdSpec), both dtypes.
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True)),
     split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 1, varlen=True)))]

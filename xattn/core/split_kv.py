@@ -38,7 +38,7 @@ The partials are rounded to the input dtype (the kernels write out in q's dtype)
 the fused kernel's within one more rounding of that dtype.
 
 **Decode tiles**: FA4's split launch is compiled with its own tile where :data:`SPLIT_TILES` names one
-(:class:`SplitFwdSpec`, :mod:`xattn.core.fa4_split_sm90`): a decode step packs g x Nq query rows per KV head,
+(:class:`SplitFwdSpec`, built by :mod:`xattn.core.fa4_sm90`): a decode step packs g x Nq query rows per KV head,
 a few, so FlashAttention's 128-row tile (two MMA warpgroups) computes mostly padding.
 """
 
@@ -244,21 +244,15 @@ class CombineSpec(FieldsHashed):
 SPLIT_TILES = {(128, 128): (64, 64)}
 
 
-@functools.cache
-def split_fwd_source_digest() -> str:
-    """Digest of the split launch's own launcher module (part of a :class:`SplitFwdSpec`'s compile key)."""
-    return hashlib.sha256((Path(__file__).resolve().parent / "fa4_split_sm90.py").read_bytes()).hexdigest()[:16]
-
-
 @dataclass(frozen=True)
 class SplitFwdSpec(KernelSpec):
-    """Compile key of FA4's split launch built with the decode tile ``tile_m x tile_n`` (:data:`SPLIT_TILES`):
-    the varlen, non-causal, windowless forward it replaces in every other respect (the same launcher signature,
-    buffers and pre-fills), compiled by :mod:`xattn.core.fa4_split_sm90`; ``source`` digests that module."""
+    """Compile key of FA4's split launch built with the decode tile ``tile_m x tile_n`` (:data:`SPLIT_TILES`;
+    ``tile_m`` 64 or 128: one MMA warpgroup per 64 query rows): the varlen, non-causal, windowless forward it
+    replaces in every other respect (the same launcher signature, buffers and pre-fills; :mod:`xattn.core.fa4_sm90`
+    builds both)."""
 
     tile_m: int = 64
     tile_n: int = 64
-    source: str = field(default_factory=split_fwd_source_digest)
 
     __hash__ = FieldsHashed.cached_hash
 
