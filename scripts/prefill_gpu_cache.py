@@ -139,6 +139,10 @@ def specs(recorded=None, fuzz=False):
     from xattn.core.split_kv import SplitMetaSpec
     out += [SplitMetaSpec(family, tail, packed) for family in ("ffpa", "fa4") for tail in (False, True)
             for packed in (False, True)]  # the contiguous split route's, with device lengths
+    from xattn.core.split_kv import split_launch_spec
+    out += [KernelSpec("fa4", "fwd", dtype, 128, 128, g, False, True) for dtype in ("bfloat16", "float16")
+            for g in (1, 2, 4, 8)]  # the split launch's decode tile at every GQA ratio the GPU tests draw
+    out += [split_launch_spec(s) for s in out if isinstance(s, KernelSpec) and split_launch_spec(s) is not s]
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

@@ -9,8 +9,9 @@ variant's out is checked against fp32 SDPA before it is timed.
         [--splits 0,8,16,32] [--pdl 0,1] [--compile-only]
 
 Variants: tile ``MxN`` of the split launch (FlashAttention's sm90 forward, one MMA warpgroup per 64 rows;
-``128x128`` is flash_attn's own d128 choice, the shipped one) x combine PDL off/on x num_splits (0: the
-route's rule). ``--compile-only`` compiles the variants on a CPU (CUTE_DSL_ARCH=sm_90a) and exits.
+``128x128`` is flash_attn's own d128 choice; ``xattn.core.split_kv.SPLIT_TILES`` the shipped one) x combine PDL
+off/on x num_splits (0: the route's rule). ``--compile-only`` compiles the variants on a CPU
+(CUTE_DSL_ARCH=sm_90a) and exits.
 Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benchmarks/decode_attention.py.
 """
 
@@ -28,10 +29,12 @@ HQ, HKV, D = 32, 8, 128
 
 
 def split_spec():
-    """The KernelSpec of the split launch for Hq32/Hkv8 d128 bf16 (varlen, non-causal: the splits see no mask)."""
+    """The key the route looks the split launch up by for Hq32/Hkv8 d128 bf16 (varlen, non-causal: the splits see
+    no mask; the decode tile's :class:`~xattn.core.split_kv.SplitFwdSpec` where the core has one)."""
     from xattn.core.spec import KernelSpec
+    from xattn.core.split_kv import split_launch_spec
 
-    return KernelSpec("fa4", "fwd", "bfloat16", D, D, HQ // HKV, causal=False, varlen=True)
+    return split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", D, D, HQ // HKV, causal=False, varlen=True))
 
 
 def compile_split(spec, tile_m: int, tile_n: int):

@@ -8,7 +8,7 @@ import tvm_ffi
 
 from xattn.core import cache
 from xattn.core.paged import PagedMetaSpec
-from xattn.core.split_kv import SplitMetaSpec
+from xattn.core.split_kv import SplitMetaSpec, split_launch_spec
 from xattn.core.spec import KernelSpec
 
 pytestmark = pytest.mark.compile
@@ -72,6 +72,10 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (PagedMetaSpec("ffpa", T
 # The contiguous split route's index kernel (xattn.core.split_meta_sm90).
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (SplitMetaSpec("ffpa", True),
                                                            SplitMetaSpec("fa4", False, True))]
+# FA4's split launch with the decode tile (xattn.core.split_kv.SplitFwdSpec), both dtypes.
+SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
+    split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True)),
+    split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 1, varlen=True)))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

@@ -108,6 +108,29 @@ def test_combine_spec_names_a_disk_cache_entry():
     assert re.match(disk_cache._STEM, stem), stem
 
 
+def test_fa4_d128_split_launch_takes_the_decode_tile_and_nothing_else_does():
+    import dataclasses
+    import re
+
+    from xattn.core import disk_cache
+    from xattn.core.spec import KernelSpec
+
+    base = KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True)
+    tiled = split_kv.split_launch_spec(base)
+    assert isinstance(tiled, split_kv.SplitFwdSpec) and (tiled.tile_m, tiled.tile_n) == split_kv.SPLIT_TILES[128, 128]
+    assert tiled != base and hash(tiled) != hash(base) and tiled.output_fill() == base.output_fill()
+    assert tiled.short_name() == "fa4_fwd_bfloat16_d128x128_g4_full_varlen_t64x64_sm_90a"
+    assert tiled.target_name() != base.target_name()
+    stems = {disk_cache.entry_stem(s) for s in (base, tiled)}
+    assert len(stems) == 2 and all(re.match(disk_cache._STEM, x) for x in stems)
+    assert split_kv.split_launch((base, "problem")) == (tiled, "problem")
+    for other in (dataclasses.replace(base, causal=True), dataclasses.replace(base, varlen=False),
+                  dataclasses.replace(base, family="ffpa", head_dim=512, head_dim_v=512),
+                  dataclasses.replace(base, head_dim=256, head_dim_v=256), dataclasses.replace(base, window_left=64),
+                  dataclasses.replace(base, page_size=64), dataclasses.replace(base, direction="bwd"), tiled):
+        assert split_kv.split_launch_spec(other) is other, other.short_name()
+
+
 def test_info_lists_the_forward_route_rule(monkeypatch):
     lines = routes.forward_table()
     assert any("split-kv" in x for x in lines) and any("XATTN_FWD_ROUTE=auto" in x for x in lines)

@@ -130,15 +130,16 @@ def launcher_pool() -> list[KernelSpec]:
 
 def split_launchers() -> list:
     """The launchers the split-KV forward of the pool's entries (dense and packed) runs when the fuzz forces it:
-    the family's varlen forward (non-causal splits, causal tail) and the combine (:mod:`xattn.core.split_kv`)."""
+    the family's varlen forward (non-causal splits, with the decode tile where the core has one; causal tail) and
+    the combine (:mod:`xattn.core.split_kv`)."""
     import dataclasses
 
-    from xattn.core.split_kv import CombineSpec
+    from xattn.core.split_kv import CombineSpec, split_launch_spec
 
     out = []
     for s in launcher_pool():
         if s.direction == "fwd" and not s.is_local:
-            out += [dataclasses.replace(s, varlen=True, causal=c) for c in (False, True)]
+            out += [split_launch_spec(dataclasses.replace(s, varlen=True, causal=c)) for c in (False, True)]
             out.append(CombineSpec(s.family, s.dtype, s.head_dim_v))
     return list(dict.fromkeys(out))
 

@@ -43,6 +43,21 @@ def test_forced_split_matches_the_reference(jit, b, nq, hq, hkv, nk, d, causal):
     assert any(c.startswith("fwd:") and c != f"fwd:{q.shape}" for c in numpy_launcher.CALLS), numpy_launcher.CALLS
 
 
+def test_fa4_d128_split_launch_runs_the_decode_tile(monkeypatch):
+    """The split launch of FA4 d128 goes through XLA FFI as the core's decode tile (split_kv.SPLIT_TILES)."""
+    from xattn.jax import _ffi
+
+    names, call = [], _ffi.call
+    monkeypatch.setattr(_ffi, "call", lambda spec, *a, **kw: (names.append(spec.short_name()), call(spec, *a, **kw))[1])
+    q, k, v = _inputs(2, 1, 8, 2, 700, 128, seed=4)
+    with routes.forced_forward("split-kv"):
+        out = jax.jit(lambda q, k, v: ja.flash_attention(q, k, v, causal=True, backend="kernel"))(q, k, v)
+    assert any(n.endswith("_t64x64_sm_90a") for n in names), names
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = ja.flash_attention(f32(q), f32(k), f32(v), causal=True, backend="reference")
+    assert float(jnp.max(jnp.abs(f32(out) - want))) < 2e-2
+
+
 def test_the_rule_splits_a_long_cache_and_gradients_flow():
     q, k, v = _inputs(1, 1, 8, 1, 1024, 512, seed=1)
     def loss(q, k, v):

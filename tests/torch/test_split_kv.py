@@ -54,6 +54,23 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal, nq", [(False, 1), (True, 4)])
+def test_fa4_d128_split_launch_runs_the_decode_tile(causal, nq, monkeypatch):
+    """The split launch of FA4 d128 is the core's decode tile (split_kv.SPLIT_TILES); the causal tail is not."""
+    from xattn.core.split_kv import SplitFwdSpec
+    from xattn.torch import ops
+
+    specs, fwd = [], ops.LAUNCH["fwd"]
+    monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, *a, **kw: (specs.append(checked[0]), fwd(checked, *a, **kw)))
+    q, k, v = _decode_inputs(2, nq, 8, 2, 900, 128, "contiguous", seed=3)
+    out, lse = xt.attention_with_lse(q, k, v, causal=causal, family="fa4", num_splits=3)
+    tiled = [s for s in specs if isinstance(s, SplitFwdSpec)]
+    assert len(tiled) == 1 and (tiled[0].tile_m, tiled[0].tile_n) == (64, 64) and not tiled[0].causal
+    assert len(specs) == 1 + (causal and nq > 1)  # the causal tail: FlashAttention's own tile
+    ref_out, _ = ref_attention(q, k, v, scale=128 ** -0.5, causal=causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+
+
 def test_auto_route_splits_a_long_cache_and_not_a_prefill():
     q, k, v = _decode_inputs(1, 1, 8, 1, 4096, 16, "contiguous", seed=1)
     xt.attention(q, k, v, causal=True, family="ffpa")

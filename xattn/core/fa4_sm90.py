@@ -1,7 +1,8 @@
 """FlashAttention-4 (head_dim <= 256) sm90 launchers: fixed-signature ``@cute.jit`` wrappers
 around the kernel classes of ``flash_attn.cute``, compiled once per :class:`KernelSpec`
 with symbolic batch / sequence / head dims. Tile configs come from flash_attn's own
-sm90 heuristics (``_tile_size_fwd_sm90`` / ``_tile_size_bwd_sm90``).
+sm90 heuristics (``_tile_size_fwd_sm90`` / ``_tile_size_bwd_sm90``), except the split-KV launch's decode tile
+(:class:`~xattn.core.split_kv.SplitFwdSpec`: its own ``tile_m x tile_n``, one MMA warpgroup per 64 rows).
 
 Launcher signatures (glossary as in :mod:`xattn.core.api`; tensors first, then the
 scale; window sizes are compile-time constants of the spec)::
@@ -32,6 +33,7 @@ from flash_attn.cute.interface import _tile_size_bwd_sm90, _tile_size_fwd_sm90  
 from flash_attn.cute.utils import AuxData  # noqa: E402
 
 from .spec import KernelSpec  # noqa: E402
+from .split_kv import SplitFwdSpec  # noqa: E402
 from .symbolic import CUTE_DTYPES, Dims, compile_launcher  # noqa: E402
 
 __all__ = ["compile_fa4"]
@@ -144,10 +146,15 @@ class _VarlenBwdGqa(_Bwd):
 
 def _fwd_kernel(spec: KernelSpec):
     cfg = _tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
+    tile_m, tile_n, threads = cfg.m_block_size, cfg.n_block_size, 384
+    if isinstance(spec, SplitFwdSpec):  # the split launch's decode tile
+        if spec.tile_m not in (64, 128) or spec.tile_n % 16 or not 16 <= spec.tile_n <= 256:
+            raise NotImplementedError(f"{spec.short_name()}: tile_m 64 or 128, tile_n a multiple of 16 up to 256")
+        tile_m, tile_n, threads = spec.tile_m, spec.tile_n, 128 * (spec.tile_m // 64 + 1)
     return FlashAttentionForwardSm90(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
         is_causal=spec.causal, is_local=spec.is_local, pack_gqa=spec.qhead_per_kvhead > 1,
-        tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, num_stages=2, num_threads=384,
+        tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=threads,
         Q_in_regs=False, intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
 
 

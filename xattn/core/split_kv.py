@@ -36,6 +36,10 @@ document's chunk its own. The rows come back by a gather; rows past ``cu_seqlens
 
 The partials are rounded to the input dtype (the kernels write out in q's dtype), so the result equals
 the fused kernel's within one more rounding of that dtype.
+
+**Decode tiles**: FA4's split launch is compiled with its own tile where :data:`SPLIT_TILES` names one
+(:class:`SplitFwdSpec`, built by :mod:`xattn.core.fa4_sm90`): a decode step packs g x Nq query rows per KV head,
+a few, so FlashAttention's 128-row tile (two MMA warpgroups) computes mostly padding.
 """
 
 from __future__ import annotations
@@ -46,11 +50,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .spec import FFPA_FWD_TILE_M, FieldsHashed, library_versions
+from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 
-__all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "plan_splits", "splits_only", "decode_splits",
-           "split_bounds", "split_cu_seqlens", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS",
-           "KEY_TILE", "source_digest"]
+__all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
+           "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "MAX_DECODE_QUERIES",
+           "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -232,3 +236,42 @@ class CombineSpec(FieldsHashed):
     def target_name(self) -> str:
         digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]
         return f"xattn_{self.short_name()}_{digest}"
+
+
+# FA4 (head_dim, head_dim_v) -> (tile_m, tile_n) of the split launch. d128, H100 (benchmarks/tools/decode_tile_probe.py,
+# docs/benchmarks.md "Decode tiles and a PDL combine for d128"): 64x64 takes 1-2.5 us off a decode call against
+# FlashAttention's 128x128 (one MMA warpgroup instead of two; two CTAs fit an SM). Other head dims: not measured.
+SPLIT_TILES = {(128, 128): (64, 64)}
+
+
+@dataclass(frozen=True)
+class SplitFwdSpec(KernelSpec):
+    """Compile key of FA4's split launch built with the decode tile ``tile_m x tile_n`` (:data:`SPLIT_TILES`;
+    ``tile_m`` 64 or 128: one MMA warpgroup per 64 query rows): the varlen, non-causal, windowless forward it
+    replaces in every other respect (the same launcher signature, buffers and pre-fills; :mod:`xattn.core.fa4_sm90`
+    builds both)."""
+
+    tile_m: int = 64
+    tile_n: int = 64
+
+    __hash__ = FieldsHashed.cached_hash
+
+    def short_name(self) -> str:
+        return f"{super().short_name().removesuffix('_' + self.arch)}_t{self.tile_m}x{self.tile_n}_{self.arch}"
+
+
+def split_launch(checked: tuple) -> tuple:
+    """``(spec, problem)`` of a split launch (the family's varlen non-causal forward) -> the same with the
+    decode tile's :class:`SplitFwdSpec` where :data:`SPLIT_TILES` names one for the spec's head dims."""
+    spec, problem = checked
+    return split_launch_spec(spec), problem
+
+
+def split_launch_spec(spec: KernelSpec) -> KernelSpec:
+    """:func:`split_launch` on the spec alone."""
+    tile = SPLIT_TILES.get((spec.head_dim, spec.head_dim_v))
+    if (tile is None or spec.family != "fa4" or type(spec) is not KernelSpec or spec.direction != "fwd"
+            or not spec.varlen or spec.causal or spec.is_local or spec.page_size is not None):
+        return spec
+    fields = {f: getattr(spec, f) for f in KernelSpec.__dataclass_fields__}
+    return SplitFwdSpec(**fields, tile_m=tile[0], tile_n=tile[1])

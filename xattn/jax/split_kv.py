@@ -33,9 +33,12 @@ def num_sms() -> int:
 
 
 def _varlen(cfg, causal: bool, q, k, v, cu_q, cu_k, max_q: int, max_k: int):
-    """One varlen forward launch: ``(out [T, Hq, Dv], lse [Hq, T])``, pre-filled 0 / -inf where the spec says."""
+    """One varlen forward launch: ``(out [T, Hq, Dv], lse [Hq, T])``, pre-filled 0 / -inf where the spec says;
+    the non-causal one is the split launch (with the core's decode tile where it has one)."""
     c = dataclasses.replace(cfg, causal=causal, window=(None, None))
     spec = c.spec("fwd", q, k, v, cu_q, cu_k, max_q, max_k)
+    if not causal:
+        spec = split_kv.split_launch_spec(spec)
     outs = [("out", (q.shape[0], q.shape[1], v.shape[-1]), q.dtype), ("lse", (q.shape[1], q.shape[0]), "float32")]
     out, lse = _ffi.call(spec, [q, k, v, cu_q, cu_k], outs, [], c.scale, vmap_method="sequential")
     return out, lse

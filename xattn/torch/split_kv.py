@@ -152,7 +152,8 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
         device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
         device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
         device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
-    checked = ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k))
+    checked = split_kv.split_launch(  # the decode tile where the core has one (split_kv.SPLIT_TILES)
+        ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k)))
     tail_checked = None
     if plan.tail:
         tail_checked = ops._checked("fwd", family, q.reshape(b * nq, *q.shape[2:]), kf, vf, True, -1, -1, tail_q_d,
