@@ -14,6 +14,7 @@ The key holds the Python minor version, so run it with the GPU machine's (3.12).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -142,6 +143,12 @@ def specs(recorded=None, fuzz=False):
     from xattn.core.split_kv import split_launch_spec
     out += [KernelSpec("fa4", "fwd", dtype, 128, 128, g, False, True) for dtype in ("bfloat16", "float16")
             for g in (1, 2, 4, 8)]  # the split launch's decode tile at every GQA ratio the GPU tests draw
+    from xattn.core.paged import tma_page_rows
+    mapped = [dataclasses.replace(s, page_size=tma_page_rows(s.family, s.head_dim, s.head_dim_v, s.page_size))
+              for s in out if isinstance(s, KernelSpec) and s.page_size and not s.varlen and not s.kv_heads_first
+              and not s.is_local]
+    out += [s if s.causal else split_launch_spec(s) for s in mapped]  # torch's paged split route reads pages of
+    # several key tiles as pages of one: its split launches (on the decode tile where the core has one) and tail
     out += [split_launch_spec(s) for s in out if isinstance(s, KernelSpec) and split_launch_spec(s) is not s]
     seen, unique = set(), []
     for s in out:

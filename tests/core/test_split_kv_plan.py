@@ -127,8 +127,16 @@ def test_fa4_d128_split_launch_takes_the_decode_tile_and_nothing_else_does():
     for other in (dataclasses.replace(base, causal=True), dataclasses.replace(base, varlen=False),
                   dataclasses.replace(base, family="ffpa", head_dim=512, head_dim_v=512),
                   dataclasses.replace(base, head_dim=256, head_dim_v=256), dataclasses.replace(base, window_left=64),
-                  dataclasses.replace(base, page_size=64), dataclasses.replace(base, direction="bwd"), tiled):
+                  dataclasses.replace(base, page_size=64), dataclasses.replace(base, direction="bwd"), tiled,
+                  dataclasses.replace(base, varlen=False, page_size=128),
+                  dataclasses.replace(base, varlen=False, page_size=64, causal=True)):
         assert split_kv.split_launch_spec(other) is other, other.short_name()
+    for heads_first in (False, True):  # the paged split launch over pages of exactly the tile's keys (TMA)
+        paged = dataclasses.replace(base, varlen=False, page_size=64, kv_heads_first=heads_first)
+        tiled_paged = split_kv.split_launch_spec(paged)
+        assert isinstance(tiled_paged, split_kv.SplitFwdSpec) and tiled_paged.page_size == 64
+        assert tiled_paged.kv_heads_first == heads_first and tiled_paged.num_threads == 256
+        assert tiled_paged.short_name().endswith("_t64x64_sm_90a") and tiled_paged != paged
 
 
 def test_info_lists_the_forward_route_rule(monkeypatch):

@@ -161,13 +161,20 @@ def paged_launchers() -> list:
 
     from .harness import PAGE_SIZES
 
+    from xattn.core.paged import tma_page_rows
+    from xattn.core.split_kv import split_launch_spec
+
     out = []
     for s in launcher_pool():
         for ps in PAGE_SIZES[s.family] if s.direction == "fwd" else ():
             out += [dataclasses.replace(s, page_size=ps)]
             if not s.is_local:
                 out += [dataclasses.replace(s, varlen=False, page_size=ps, causal=c) for c in (False, True)]
-                out.append(dataclasses.replace(s, varlen=False, page_size=ps, causal=False, kv_heads_first=True))
+                rows = tma_page_rows(s.family, s.head_dim, s.head_dim_v, ps)  # torch's split launches' pages
+                out += [split_launch_spec(dataclasses.replace(s, varlen=False, page_size=rows, causal=False)),
+                        dataclasses.replace(s, varlen=False, page_size=rows, causal=True)]
+                out.append(split_launch_spec(dataclasses.replace(s, varlen=False, page_size=ps, causal=False,
+                                                                 kv_heads_first=True)))
     return list(dict.fromkeys(out))
 
 

@@ -146,3 +146,22 @@ def test_pallas_tiling_keeps_the_defaults_where_they_run_and_fits_otherwise():
         per_split = width // t["k_splits"]
         assert width % t["k_splits"] == 0 and per_split % t["pages_per_compute_block"] == 0, (d, ps, width, t)
         assert 4 * t["pages_per_compute_block"] * ps * d <= PALLAS_SMEM_BYTES, (d, ps, width, t)
+
+
+@pytest.mark.parametrize("ps, tiled", [(64, True), (128, False), (16, False)])
+def test_fa4_d128_pages_of_64_run_the_decode_tile(launcher_calls, monkeypatch, ps, tiled):
+    """FA4 d128 over pages of exactly the decode tile's 64 keys launches on that tile (split_kv.SPLIT_TILES: TMA per
+    page on the GPU); other page sizes keep FlashAttention's tile; the results are fp64's either way."""
+    from xattn.core.split_kv import SplitFwdSpec
+    from xattn.jax import _ffi
+
+    specs, call = [], _ffi.call
+    monkeypatch.setattr(_ffi, "call", lambda spec, *a, **kw: (specs.append(spec), call(spec, *a, **kw))[1])
+    q, k_pages, v_pages, table, n = _case(ps, 2, 8, 2, 128, ps, -(-700 // ps), [700, 65])
+    args = [jnp.asarray(x, jnp.float16) for x in (q, k_pages, v_pages)]
+    out = np.asarray(jax.jit(lambda q, kp, vp, t, n: xj.paged_attention(q, kp, vp, t, n, num_splits=3))(
+        *args, table, n), np.float64)
+    want = _reference(*(np.asarray(a, np.float32) for a in args), table, n)
+    assert np.abs(out - want).max() < 0.03 * max(1.0, np.abs(want).max())
+    assert [isinstance(s, SplitFwdSpec) for s in specs] == [tiled], specs
+    assert not tiled or (specs[0].tile_n, specs[0].page_size) == (64, 64)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.gpu
     pytest.param(512, 32, 4, 256, 40, [10000, 300], id="ffpa-d512-g8-ps256"),
     pytest.param(128, 32, 8, 16, 700, [11000, 17], id="fa4-d128-g4-ps16"),
     pytest.param(128, 32, 8, 128, 90, [11000, 129, 0], id="fa4-d128-g4-ps128-tma"),
+    pytest.param(128, 32, 8, 64, 180, [11000, 65, 1], id="fa4-d128-g4-ps64-decode-tile"),
 ])
 def test_paged_attention_vs_fp64_and_pallas(num_splits, d, hq, hkv, ps, max_pages, lengths):
     q, k_pages, v_pages, table, n = _case(d + ps, len(lengths), hq, hkv, d, ps, max_pages, lengths)

@@ -313,3 +313,30 @@ def test_a_split_decode_step_is_the_index_kernel_the_launches_and_the_combine(fa
     launches = [c[0] for c in CALLS]
     assert launches == ["paged_meta"] + ["paged"] * (1 + (nq > 1)) + ["combine"], launches
 
+
+
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+def test_fa4_d128_paged_split_launch_reads_tile_pages_on_the_decode_tile(page_size, monkeypatch):
+    """FA4 d128's paged split launch runs the core's decode tile (split_kv.SPLIT_TILES, 64 keys) on pages of 64 rows
+    (a pool page of 128 or 256 read as 2 or 4 of them, the table mapped by the index kernel: TMA on the GPU); the
+    causal tail keeps FlashAttention's own tile on the same pages; the result is the fp64 reference's."""
+    from xattn.core import routes
+    from xattn.core.spec import KernelSpec
+    from xattn.core.split_kv import SplitFwdSpec
+    from xattn.torch import ops
+
+    specs, launch = [], ops.LAUNCH["paged"]
+    monkeypatch.setitem(ops.LAUNCH, "paged", lambda spec, *a, **kw: (specs.append(spec), launch(spec, *a, **kw))[1])
+    g = torch.Generator().manual_seed(page_size)
+    lengths = [700, 65, 3]
+    k_pool, v_pool, table = _paged_cache(lengths, -(-700 // page_size) + 1, page_size, 2, 128, g)
+    q = torch.randn(3, 4, 8, 128, generator=g, dtype=torch.float64)
+    with routes.forced_forward("split-kv"):
+        out = xt.attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                        page_table=table, causal=True, family="fa4")
+    split, tail = [s for s in specs if not s.causal], [s for s in specs if s.causal]
+    assert len(split) == 1 and isinstance(split[0], SplitFwdSpec) and split[0].page_size == 64
+    assert (split[0].tile_m, split[0].tile_n) == split_kv.SPLIT_TILES[128, 128]
+    assert len(tail) == 1 and type(tail[0]) is KernelSpec and tail[0].page_size == 64
+    want, _ = _expected(q, k_pool, v_pool, table, lengths, True, (None, None), 128 ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)

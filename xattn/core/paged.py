@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .split_kv import IndexSpec
+from .split_kv import SPLIT_TILES, IndexSpec
 
 __all__ = ["PagedPlan", "PagedMetaSpec", "plan_paged", "tail_pages", "tma_page_rows", "FA4_KEY_TILE", "entry_bounds",
            "PageTableError", "page_table_problem", "length_message", "page_message", "MIN_PAGE_SIZE", "MAX_PAGE_SIZE"]
@@ -76,8 +76,11 @@ def tma_page_rows(family: str, head_dim: int, head_dim_v: int, page_size: int) -
     """The page size the split route's launches read the pool with: FA4 loads a page of exactly its key tile by
     TMA and any other by cp.async (slower: session 18's d128 rows), so a page of r whole tiles is read as r
     pages of one tile (the pool's ``[NP r, tile, Hkv, D]`` view, the table mapped by the index kernel); else
-    ``page_size`` itself. Same keys, same kernel tile: the same results."""
-    tile = FA4_KEY_TILE.get(head_dim) if family == "fa4" and head_dim == head_dim_v else None
+    ``page_size`` itself. The tile: the split launch's decode tile where :data:`xattn.core.split_kv.SPLIT_TILES`
+    names one (the causal tail's own tile then reads those pages by cp.async), else FA4's. Same keys: the same
+    results."""
+    split = SPLIT_TILES.get((head_dim, head_dim_v)) if family == "fa4" else None
+    tile = split[1] if split else FA4_KEY_TILE.get(head_dim) if family == "fa4" and head_dim == head_dim_v else None
     return tile if tile and page_size > tile and page_size % tile == 0 else page_size
 
 

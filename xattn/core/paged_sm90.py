@@ -18,7 +18,9 @@ the pre-fill (0, -inf) of :meth:`KernelSpec.output_fill` (it skips a row without
 How each family pages:
 
 * **FA4**: flash_attn.cute's sm90 forward takes ``mSeqUsedK`` and ``mPageTable`` itself (TMA per page when PS
-  equals its key tile, cp.async otherwise); the launcher hands it the two views of ``kv_meta``.
+  equals its key tile, cp.async otherwise); the launcher hands it the two views of ``kv_meta``. A
+  :class:`~xattn.core.split_kv.SplitFwdSpec` (the split launch of d128 over pages of 64 rows) is built with its
+  decode tile, as :mod:`xattn.core.fa4_sm90` builds the contiguous one.
 * **FFPA**: its forward has no page table. It loads each 64-row key tile n by TMA at a coordinate the
   producer computes from the varlen key offset; two of its module-level names stand in while a launcher
   compiles (the compiled code keeps them; one compile at a time holds them, as in
@@ -54,6 +56,7 @@ from quack.compile_utils import make_fake_tensor  # noqa: E402
 
 from . import ffpa_sm90  # noqa: E402
 from .spec import PAGED_FFPA_TILE, KernelSpec  # noqa: E402
+from .split_kv import SplitFwdSpec  # noqa: E402
 from .symbolic import CUTE_DTYPES, compile_launcher  # noqa: E402
 
 __all__ = ["compile_paged"]
@@ -239,10 +242,13 @@ def compile_paged(spec: KernelSpec, trace: list | None = None):
     cfg = _tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
     if cfg.n_block_size == _FA4_PAGED_BAD_TILE:  # d96 unmasked: the causal config's 128-row key tile instead
         cfg = _tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, True, spec.is_local)
+    tile_m, tile_n, threads = cfg.m_block_size, cfg.n_block_size, 384
+    if isinstance(spec, SplitFwdSpec):  # the paged split launch's decode tile (pages of exactly tile_n rows)
+        tile_m, tile_n, threads = spec.tile_m, spec.tile_n, spec.num_threads
     kernel = FlashAttentionForwardSm90(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
         is_causal=spec.causal, is_local=spec.is_local, pack_gqa=spec.qhead_per_kvhead > 1,
-        tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, num_stages=2, num_threads=384, Q_in_regs=False,
+        tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=threads, Q_in_regs=False,
         intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs,
-        paged_kv_non_tma=spec.page_size != cfg.n_block_size)
+        paged_kv_non_tma=spec.page_size != tile_n)
     return compile_launcher((_Fa4PagedVarlen if spec.varlen else _Fa4Paged)(kernel, spec), _fakes(spec))

@@ -249,12 +249,17 @@ class SplitFwdSpec(KernelSpec):
     """Compile key of FA4's split launch built with the decode tile ``tile_m x tile_n`` (:data:`SPLIT_TILES`;
     ``tile_m`` 64 or 128: one MMA warpgroup per 64 query rows): the varlen, non-causal, windowless forward it
     replaces in every other respect (the same launcher signature, buffers and pre-fills; :mod:`xattn.core.fa4_sm90`
-    builds both)."""
+    builds both), or with ``page_size == tile_n`` the paged split launch's (:mod:`xattn.core.paged_sm90`)."""
 
     tile_m: int = 64
     tile_n: int = 64
 
     __hash__ = FieldsHashed.cached_hash
+
+    @property
+    def num_threads(self) -> int:
+        """Threads per CTA: a producer warpgroup and one MMA warpgroup per 64 query rows."""
+        return 128 * (self.tile_m // 64 + 1)
 
     def short_name(self) -> str:
         return f"{super().short_name().removesuffix('_' + self.arch)}_t{self.tile_m}x{self.tile_n}_{self.arch}"
@@ -268,10 +273,13 @@ def split_launch(checked: tuple) -> tuple:
 
 
 def split_launch_spec(spec: KernelSpec) -> KernelSpec:
-    """:func:`split_launch` on the spec alone."""
+    """:func:`split_launch` on the spec alone; also the paged split launch's (dense queries, pages of exactly
+    ``tile_n`` rows, read by TMA: :func:`xattn.core.paged.tma_page_rows` views larger pages as such)."""
     tile = SPLIT_TILES.get((spec.head_dim, spec.head_dim_v))
+    contiguous = spec.varlen and spec.page_size is None
+    paged = not spec.varlen and tile is not None and spec.page_size == tile[1]
     if (tile is None or spec.family != "fa4" or type(spec) is not KernelSpec or spec.direction != "fwd"
-            or not spec.varlen or spec.causal or spec.is_local or spec.page_size is not None):
+            or spec.causal or spec.is_local or not (contiguous or paged)):
         return spec
     fields = {f: getattr(spec, f) for f in KernelSpec.__dataclass_fields__}
     return SplitFwdSpec(**fields, tile_m=tile[0], tile_n=tile[1])

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from xattn.core import paged, routes
 from xattn.core import varlen_check as vc
 from xattn.core.spec import KernelSpec, family_for, supports
-from xattn.core.split_kv import MAX_PARTIALS
+from xattn.core.split_kv import MAX_PARTIALS, split_launch_spec
 
 from . import _ffi
 from .split_kv import merge, num_sms
@@ -65,8 +65,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
         raise ValueError(f"block_tables: expected [B={b}, pages_per_sequence] and Hq % Hkv == 0, got "
                          f"{block_tables.shape}, Hq={hq}, Hkv={hkv}")
     family = family_for(d, dv)
-    spec = KernelSpec(family or "fa4", "fwd", jnp.dtype(q.dtype).name, d, dv, hq // hkv, page_size=ps,
-                      kv_heads_first=True)
+    spec = split_launch_spec(KernelSpec(family or "fa4", "fwd", jnp.dtype(q.dtype).name, d, dv, hq // hkv,
+                                        page_size=ps, kv_heads_first=True))  # the decode tile where pages fit it
     reason = supports(spec) if family else f"no kernel family runs head dims {d}/{dv}"
     if reason:
         raise NotImplementedError(f"paged_attention: {reason}")

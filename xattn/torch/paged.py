@@ -25,7 +25,7 @@ from torch import Tensor
 
 from xattn.core import paged, routes
 from xattn.core.checks import Memo
-from xattn.core.split_kv import CombineSpec
+from xattn.core.split_kv import CombineSpec, split_launch_spec
 
 from . import ops, split_kv as split_kv_torch
 from .split_kv import num_sms
@@ -100,7 +100,7 @@ def _split(family: str, q: Tensor, cu_seqlens_q: Tensor | None, nq: int, k_pages
         with side.fork():
             _launch(family, q, kp, vp, tail_meta, rows, True, None, None, scale, out_p[s], lse_p[s], partial=True)
     _launch(family, q_entries, kp, vp, meta, rows, False, None, None, scale, out_p[:s].view(s * b, nq, hq, dv),
-            lse_p[:s].view(s * b, hq, nq), partial=True)
+            lse_p[:s].view(s * b, hq, nq), partial=True, split=True)
     if side:
         side.join()
     if packed:  # the combine writes lse [B, Nq, Hq] as a view of [Hq, B Nq]: the packed rows are one gather each
@@ -197,14 +197,17 @@ def _pools(family: str, k_pages: Tensor, v_pages: Tensor) -> tuple[Tensor, Tenso
     return out[0], out[1]
 
 
-def _launch(family, q, kp, vp, meta, ps, causal, left, right, scale, out=None, lse=None, partial=False):
+def _launch(family, q, kp, vp, meta, ps, causal, left, right, scale, out=None, lse=None, partial=False, split=False):
     """One paged launch over ``meta``'s entries; returns (out, lse) (allocated when not given). ``partial``: out and
     lse are split partials whose lse the caller pre-filled with -inf (the combine skips such a row: FFPA's skipped
-    entries need no out fill)."""
+    entries need no out fill). ``split``: the split launch, on the decode tile where the core has one
+    (:func:`xattn.core.split_kv.split_launch_spec`)."""
     b, nq, hq, _ = q.shape
     dv = vp.shape[-1]
     spec = ops.paged_spec(family, str(q.dtype).removeprefix("torch."), q.shape[-1], dv, hq // kp.shape[-2], causal,
                           left, right, ps)
+    if split:
+        spec = split_launch_spec(spec)
     if out is None:
         out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
