@@ -281,5 +281,10 @@ def split_launch_spec(spec: KernelSpec) -> KernelSpec:
     if (tile is None or spec.family != "fa4" or type(spec) is not KernelSpec or spec.direction != "fwd"
             or spec.causal or spec.is_local or not (contiguous or paged)):
         return spec
+    return _tiled(spec, tile)
+
+
+@functools.lru_cache(maxsize=512)  # a paged decode step asks on every call: each key is built once
+def _tiled(spec: KernelSpec, tile: tuple[int, int]) -> SplitFwdSpec:
     fields = {f: getattr(spec, f) for f in KernelSpec.__dataclass_fields__}
     return SplitFwdSpec(**fields, tile_m=tile[0], tile_n=tile[1])
