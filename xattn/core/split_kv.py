@@ -256,6 +256,12 @@ class SplitFwdSpec(KernelSpec):
 
     __hash__ = FieldsHashed.cached_hash
 
+    def __post_init__(self):
+        if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"SplitFwdSpec: tile_m 64 or 128 and tile_n a multiple of 16 in 16-256, got "
+                             f"{self.tile_m}x{self.tile_n}")
+        super().__post_init__()
+
     @property
     def num_threads(self) -> int:
         """Threads per CTA: a producer warpgroup and one MMA warpgroup per 64 query rows."""

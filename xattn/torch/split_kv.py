@@ -58,6 +58,8 @@ def rows_per_seq(k: Tensor, v: Tensor) -> int | None:
 
 def flat_keys(t: Tensor, key_rows: int) -> Tensor:
     """``[R (B-1) + Nk, H, D]``: every sequence's keys on one row stride, a view of ``t`` (module docstring)."""
+    if t.shape[0] == 1:  # one sequence: its own rows (the cheaper view; a decode step's usual case)
+        return t[0]
     return t.as_strided((key_rows, t.shape[2], t.shape[3]), (t.stride(1), t.stride(2), t.stride(3)),
                         t.storage_offset())
 
@@ -221,18 +223,17 @@ def _slots(q: Tensor, p: int) -> Tensor:
     else one broadcast copy, moved as 8-byte words where q's rows allow (the generic broadcast copy moves
     2-byte elements at a fraction of the bandwidth)."""
     b, nq, hq, d = q.shape
-    slots = q.unsqueeze(1).expand(b, p, nq, hq, d)
     if p == 1:
         return q.reshape(b * nq, hq, d)
-    if b * nq == 1:  # the one case of a view (tested here: a failed view raises, ~25 us per call)
-        return slots.view(p, hq, d)
+    if b * nq == 1:  # the one case of a view: row stride 0 (decided here: a failed view raises, ~25 us per call)
+        return q.as_strided((p, hq, d), (0, q.stride(2), q.stride(3)), q.storage_offset())
     flat = q.reshape(b, 1, nq * hq * d)
     if flat.is_contiguous() and (flat.shape[-1] * q.element_size()) % 8 == 0 and flat.data_ptr() % 8 == 0:
         words = flat.view(torch.int64)
         out = torch.empty((b, p, words.shape[-1]), dtype=torch.int64, device=q.device)
         out.copy_(words.expand(b, p, words.shape[-1]))
         return out.view(q.dtype).view(b * p * nq, hq, d)
-    return slots.reshape(b * p * nq, hq, d)
+    return q.unsqueeze(1).expand(b, p, nq, hq, d).reshape(b * p * nq, hq, d)
 
 
 def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor, scale: float, rows: int,
@@ -361,7 +362,11 @@ def _launches(plan: SplitPlan, setup: _Setup, q: Tensor, q_split: Tensor, kf: Te
                               softmax_scale=scale, cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k,
                               max_seqlen_q=nq, max_seqlen_k=setup.tail_max_k)
     rows_s = q_split.shape[0]
-    ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_p[:rows_s], lse_p[:, :rows_s], softmax_scale=scale,
+    if rows_s != out_p.shape[0]:  # the tail's rows in place after the splits' (no slices otherwise: host time)
+        out_s, lse_s = out_p[:rows_s], lse_p[:, :rows_s]
+    else:
+        out_s, lse_s = out_p, lse_p
+    ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_s, lse_s, softmax_scale=scale,
                       cu_seqlens_q=setup.cu_q, cu_seqlens_k=setup.cu_k, max_seqlen_q=nq, max_seqlen_k=setup.max_k)
     if side:  # a copied tail's slot once the splits are written (their launch gives it no key), then join
         if not in_place:
@@ -369,8 +374,15 @@ def _launches(plan: SplitPlan, setup: _Setup, q: Tensor, q_split: Tensor, kf: Te
                 out_p.view(b, p, nq, hq, dv)[:, p - 1].copy_(out_t.view(b, nq, hq, dv))
                 lse_p.view(hq, b, p, nq)[:, :, p - 1].copy_(lse_t.view(hq, b, nq))
         side.join()
-    ops.LAUNCH["combine"](setup.combine, out_p.view(b, p, nq, hq, dv).permute(1, 0, 2, 3, 4),
-                          lse_p.view(hq, b, p, nq).permute(2, 1, 3, 0), out, lse.permute(0, 2, 1))
+    ops.LAUNCH["combine"](setup.combine, *_partial_views(out_p, lse_p, b, p, nq, hq, dv), out, lse.permute(0, 2, 1))
+
+
+def _partial_views(out_p: Tensor, lse_p: Tensor, b: int, p: int, nq: int, hq: int, dv: int) -> tuple[Tensor, Tensor]:
+    """The combine's views of the partials: ``out_p [B*P*Nq, Hq, Dv]`` as ``[P, B, Nq, Hq, Dv]`` and ``lse_p
+    [Hq, B*P*Nq]`` as ``[P, B, Nq, Hq]`` (both contiguous: one ``as_strided`` each, not a view and a permute)."""
+    n = p * nq
+    return (out_p.as_strided((p, b, nq, hq, dv), (nq * hq * dv, n * hq * dv, hq * dv, dv, 1)),
+            lse_p.as_strided((p, b, nq, hq), (nq, n, 1, b * n)))
 
 
 _split_meta_spec = functools.lru_cache(maxsize=8)(SplitMetaSpec)  # built once per variant, not per step
