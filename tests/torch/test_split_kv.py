@@ -54,6 +54,43 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("nq, nk, splits", [(4, 900, 3), (16, 1000, 7), (2, 2051, 5), (3, 131, 2), (5, 6, 4)])
+def test_one_sequence_with_a_causal_tail_runs_the_slot_launch(layout, nq, nk, splits, monkeypatch):
+    """FFPA, B = 1, a causal tail in place: the splits are one dense launch reading q through a batch stride of 0
+    (no copy of q per slot) and equal key chunks through a strided view of the cache; the tail takes the rest."""
+    from xattn.core import split_kv
+    from xattn.torch import ops
+
+    seen, fwd = [], ops.LAUNCH["fwd"]
+    monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, q, k, *a, **kw: (seen.append((checked[0], q, k)),
+                                                                            fwd(checked, q, k, *a, **kw))[1])
+    q, k, v = _decode_inputs(1, nq, 8, 2, nk, 16, layout, seed=nk + nq)
+    out, lse = xt.attention_with_lse(q, k, v, causal=True, family="ffpa", num_splits=splits)
+    dense = [x for x in seen if not x[0].varlen]
+    assert len(dense) == 1 and len(seen) == 2 and not dense[0][0].causal
+    _, q_slots, k_slots = dense[0]
+    slots, chunk = k_slots.shape[:2]
+    assert q_slots.shape == (slots, nq, 8, 16) and q_slots.stride(0) == 0 and q_slots.data_ptr() == q.data_ptr()
+    assert k_slots.data_ptr() == k.data_ptr() and k_slots.stride(0) == chunk * k.stride(1)  # views, no copies
+    assert chunk == split_kv.slot_chunk(split_kv.plan_splits(splits, True, nq, nk), "ffpa", 1, nk, nq) > 0
+    assert nq <= nk - slots * chunk < nq + slots  # the tail's keys
+    ref_out, ref_lse = ref_attention(q, k, v, scale=16 ** -0.5, causal=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
+
+
+def test_the_slot_launch_is_ffpas_with_one_sequence_and_its_tail_in_place():
+    from xattn.core import split_kv
+
+    plan = split_kv.plan_splits(8, True, 4, 4096)
+    assert split_kv.slot_chunk(plan, "ffpa", 1, 4096, 4) == 4092 // plan.splits
+    assert split_kv.slot_chunk(plan, "fa4", 1, 4096, 4) == 0  # FA4's split launch: its varlen decode tile
+    assert split_kv.slot_chunk(plan, "ffpa", 2, 4096, 4) == 0  # two sequences: one q copy per slot
+    assert split_kv.slot_chunk(split_kv.plan_splits(8, False, 4, 4096), "ffpa", 1, 4096, 4) == 0  # no tail
+    assert split_kv.slot_chunk(split_kv.plan_splits(8, True, 4, None), "ffpa", 1, 4096, 4) == 0  # lengths per call
+
+
 @pytest.mark.parametrize("causal, nq", [(False, 1), (True, 4)])
 def test_fa4_d128_split_launch_runs_the_decode_tile(causal, nq, monkeypatch):
     """The split launch of FA4 d128 is the core's decode tile (split_kv.SPLIT_TILES); the causal tail is not."""
