@@ -171,6 +171,36 @@ def test_device_cu_seqlens_equal_the_core_plan(seed):
     assert got == [list(x) for x in want]
 
 
+def test_int32_lists_are_one_tensor_with_aligned_views():
+    from xattn.torch.split_kv import int32_lists
+
+    a, none, b, c = int32_lists(torch.device("cpu"), [0, 3, 7], [], [5], list(range(9)))
+    assert none is None and a.dtype == b.dtype == c.dtype == torch.int32
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([0, 3, 7], [5], list(range(9)))
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()  # one tensor, one copy
+    assert all(t.data_ptr() % 16 == 0 for t in (a, b, c))  # each view starts on 16 bytes, as a fresh tensor
+
+
+def test_outside_graph_pools_reuses_one_worker_and_runs_nested_builds_in_it(monkeypatch):
+    """CUDA builds run in one worker thread (not the caller's: torch.compile's CUDA-graph trees send the caller's
+    allocations to a graph pool), started once; a build that asks again runs in place (a nested submit to the one
+    worker would wait for itself). The CUDA calls are stand-ins here."""
+    import contextlib
+    import threading
+
+    from xattn.torch import split_kv as sk
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    cuda = torch.device("cuda", 0)
+    ident = lambda: threading.get_ident()  # noqa: E731
+    outer, inner = sk.outside_graph_pools(lambda: (ident(), sk.outside_graph_pools(ident, cuda)), cuda)
+    again = sk.outside_graph_pools(ident, cuda)
+    assert outer == inner == again != threading.get_ident()
+    assert sk.outside_graph_pools(ident, torch.device("cpu")) == threading.get_ident()
+
+
 def _packed(lens_q, lens_k, hq, hkv, d, dv, seed, trailing_q=0, trailing_k=0):
     g = torch.Generator().manual_seed(seed)
     cu = lambda lens: torch.tensor([sum(lens[:i]) for i in range(len(lens) + 1)], dtype=torch.int32)  # noqa: E731

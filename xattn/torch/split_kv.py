@@ -10,8 +10,9 @@ launch. The keys are read in place through a flat strided view of k and v (no co
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import contextlib
+import functools
+import os
 import threading
 from typing import NamedTuple
 
@@ -144,16 +145,19 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     key_rows, dev = kf.shape[0], q.device
     # the split launch's own plan and lengths: with the tail in place, its splits alone, on the keys before it
     lp, ln = (split_kv.splits_only(plan), nk - nq) if plan.tail_in_place(b) else (plan, nk)
-    _, cu_k, _, _ = split_kv.split_cu_seqlens(lp, nq, rows, [ln] * b, key_rows)  # host: the maxima
-    _, _, _, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
+    cu_q, cu_k, _, _ = split_kv.split_cu_seqlens(lp, nq, rows, [ln] * b, key_rows)  # host lists (and the maxima)
+    _, _, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
     full = lambda n: torch.full((b,), n, dtype=torch.int32, device=dev)  # noqa: E731
-    # the device copies by device arithmetic, never a host-to-device copy: a first call inside CUDA-graph
-    # capture (a new cache length under torch.compile's CUDA graphs) must not copy from pageable memory
-    cu_q_d, tail_q_d, cu_k_d, tail_k_d = outside_graph_pools(lambda: (
-        device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
-        device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
-        device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # inside CUDA-graph capture (a new cache length under torch.compile's CUDA graphs) no copy from pageable
+        # memory: the device tensors by device arithmetic
+        cu_q_d, tail_q_d, cu_k_d, tail_k_d = outside_graph_pools(lambda: (
+            device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
+            device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
+            device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
+    else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy, not ~30 kernels
+        cu_q_d, tail_q_d, cu_k_d, tail_k_d = int32_lists(dev, cu_q, tail_q, cu_k, tail_k)
     checked = split_kv.split_launch(  # the decode tile where the core has one (split_kv.SPLIT_TILES)
         ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k)))
     tail_checked = None
@@ -165,22 +169,60 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
                                    tail_checked, combine))
 
 
+def int32_lists(device: torch.device, *lists: list) -> list[Tensor]:
+    """Host int lists as int32 tensors on ``device``: one tensor, one asynchronous host-to-device copy (no sync; not
+    inside CUDA-graph capture, which cannot copy from pageable memory), built outside any graph's pool
+    (:func:`outside_graph_pools`); returns views of it, one per list (``None`` for an empty list), each starting
+    16 bytes into the last (as a fresh tensor would be aligned)."""
+    flat, starts = [], []
+    for xs in lists:
+        starts.append(len(flat))
+        flat += list(xs) + [0] * (-len(xs) % 4)
+    whole = outside_graph_pools(lambda: torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True), device)
+    return [whole[at:at + len(xs)] if xs else None for at, xs in zip(starts, lists)]
+
+
 def outside_graph_pools(build, device: torch.device):
     """``build()`` for tensors the memo keeps past this call. torch.compile's CUDA-graph trees send every
     allocation of the thread that warms up or records a graph to the graph's pool and refuse a pool tensor
     that outlives the graph's outputs ("tensors in the cudagraph pool not tracked as outputs"); so a CUDA
     ``build`` runs in a worker thread (the normal pool) on the caller's current stream (ordered with its
     work). Inside a raw stream capture (``torch.cuda.graph``) it runs here: the capture's pool holds them."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or getattr(_WORKER_STATE, "inside", False):
         return build()
     stream = torch.cuda.current_stream(device)
 
     def run():
-        with torch.cuda.stream(stream):
-            return build()
+        _WORKER_STATE.inside = True  # a build that asks again runs here (one worker: a nested submit would wait)
+        try:
+            with torch.cuda.stream(stream):
+                return build()
+        finally:
+            _WORKER_STATE.inside = False
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(run).result()
+    return _worker().submit(run).result()
+
+
+_WORKER_STATE = threading.local()
+_WORKER_LOCK = threading.Lock()
+_WORKERS: list = []  # the one worker thread of outside_graph_pools, started once (not one thread per build)
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    with _WORKER_LOCK:
+        if not _WORKERS:
+            _WORKERS.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xattn-outside-graph-pools"))
+        return _WORKERS[0]
+
+
+def _forked() -> None:
+    """In a forked child: no worker thread (and no lock another thread held): it starts its own."""
+    global _WORKER_LOCK
+    _WORKER_LOCK = threading.Lock()
+    _WORKERS.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def device_cu_seqlens_q(plan: SplitPlan, batch: int, seqlen_q: int, device):
