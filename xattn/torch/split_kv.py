@@ -170,15 +170,18 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
 
 
 def int32_lists(device: torch.device, *lists: list) -> list[Tensor]:
-    """Host int lists as int32 tensors on ``device``: one tensor, one asynchronous host-to-device copy (no sync; not
-    inside CUDA-graph capture, which cannot copy from pageable memory), built outside any graph's pool
+    """Host int lists as int32 tensors on ``device``: one tensor, one asynchronous host-to-device copy from pinned
+    memory (no wait for the GPU; not inside CUDA-graph capture), built outside any graph's pool
     (:func:`outside_graph_pools`); returns views of it, one per list (``None`` for an empty list), each starting
     16 bytes into the last (as a fresh tensor would be aligned)."""
     flat, starts = [], []
     for xs in lists:
         starts.append(len(flat))
         flat += list(xs) + [0] * (-len(xs) % 4)
-    whole = outside_graph_pools(lambda: torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True), device)
+    host = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":  # pinned: a pageable source would make the copy wait for the stream's queued work
+        host = host.pin_memory()
+    whole = outside_graph_pools(lambda: host.to(device, non_blocking=True), device)
     return [whole[at:at + len(xs)] if xs else None for at, xs in zip(starts, lists)]
 
 
