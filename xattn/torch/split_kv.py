@@ -146,7 +146,9 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     # the split launch's own plan and lengths: with the tail in place, its splits alone, on the keys before it
     lp, ln = (split_kv.splits_only(plan), nk - nq) if plan.tail_in_place(b) else (plan, nk)
     cu_q, cu_k, _, _ = split_kv.split_cu_seqlens(lp, nq, rows, [ln] * b, key_rows)  # host lists (and the maxima)
-    _, _, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
+    tail_q = tail_k = []
+    if plan.tail:
+        _, _, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
     full = lambda n: torch.full((b,), n, dtype=torch.int32, device=dev)  # noqa: E731
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
