@@ -151,9 +151,7 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
         _, _, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
     full = lambda n: torch.full((b,), n, dtype=torch.int32, device=dev)  # noqa: E731
-    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # inside CUDA-graph capture (a new cache length under torch.compile's CUDA graphs) no copy from pageable
-        # memory: the device tensors by device arithmetic
+    if _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): by device arithmetic
         cu_q_d, tail_q_d, cu_k_d, tail_k_d = outside_graph_pools(lambda: (
             device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
             device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
@@ -171,6 +169,12 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
                                    tail_checked, combine))
 
 
+def _capturing(device: torch.device) -> bool:
+    """Inside CUDA-graph capture on ``device``'s stream: no host-to-device copy there (a captured copy would replay
+    from a host buffer nothing keeps)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def int32_lists(device: torch.device, *lists: list) -> list[Tensor]:
     """Host int lists as int32 tensors on ``device``: one tensor, one asynchronous host-to-device copy from pinned
     memory (no wait for the GPU; not inside CUDA-graph capture), built outside any graph's pool
@@ -181,7 +185,7 @@ def int32_lists(device: torch.device, *lists: list) -> list[Tensor]:
         starts.append(len(flat))
         flat += list(xs) + [0] * (-len(xs) % 4)
     host = torch.tensor(flat, dtype=torch.int32)
-    if device.type == "cuda":  # pinned: a pageable source would make the copy wait for the stream's queued work
+    if device.type == "cuda":  # pinned: from pageable memory the driver's staging copy holds the host ~0.2 ms
         host = host.pin_memory()
     whole = outside_graph_pools(lambda: host.to(device, non_blocking=True), device)
     return [whole[at:at + len(xs)] if xs else None for at, xs in zip(starts, lists)]
@@ -381,8 +385,11 @@ def _slot_setup(plan: SplitPlan, family: str, q_slots: Tensor, k_slots: Tensor, 
     if hit is not None:
         return hit
     nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * chunk
-    tail_q, tail_k = outside_graph_pools(lambda: (  # device arithmetic, never a host-to-device copy (see _setup)
-        (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])), dev)
+    if _capturing(dev):  # as _setup: device arithmetic inside a capture, else one copy of the host lists
+        tail_q, tail_k = outside_graph_pools(lambda: ((ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat(
+            [ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])), dev)
+    else:
+        tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
     checked = ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1)
     tail_checked = ops._checked("fwd", family, q_tail, kf, vf, True, -1, -1, tail_q, tail_k, nq, nk - first)
     combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1])
