@@ -385,11 +385,8 @@ def _slot_setup(plan: SplitPlan, family: str, q_slots: Tensor, k_slots: Tensor, 
     if hit is not None:
         return hit
     nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * chunk
-    if _capturing(dev):  # as _setup: device arithmetic inside a capture, else one copy of the host lists
-        tail_q, tail_k = outside_graph_pools(lambda: ((ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat(
-            [ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])), dev)
-    else:
-        tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
+    tail_q, tail_k = outside_graph_pools(lambda: (  # device arithmetic (a few kernels; capturable)
+        (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])), dev)
     checked = ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1)
     tail_checked = ops._checked("fwd", family, q_tail, kf, vf, True, -1, -1, tail_q, tail_k, nq, nk - first)
     combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1])
