@@ -20,7 +20,9 @@ do_bench flushes the L2 cache between runs). Impls:
 * ``xattn-vllmPS``: vLLM's paged decode call, ``xt.paged_attention(q packed, pools, page_table, seqused_k,
   cu_seqlens_q=, max_seqlen_q=Nq)`` on pages of PS rows (``paged: true, packed: true``);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on HF's ``[B, H, N, D]`` layout with
-  ``enable_gqa`` (at q_len 1 causal is no mask).
+  ``enable_gqa`` (at q_len 1 causal is no mask; at q_len > 1 the bottom-right causal mask as a boolean ``attn_mask``,
+  what HF hands SDPA for a speculative step: SDPA's ``is_causal`` aligns top-left, so its Nq queries would see Nq
+  keys. Rows before session 24 at q_len > 1 used ``is_causal`` and time another problem).
 
 ``hbm_fraction`` = bytes of K and V read / time / the device's bandwidth (``hbm_bytes_per_s`` in each row: 4.3 TB/s
 on an H200, the copy bandwidth the issue measured; 3.35 TB/s on an H100 SXM, its nominal peak). ``ms`` times the
@@ -71,7 +73,8 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
     v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     if impl == "sdpa":
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=nq > 1, enable_gqa=True)  # noqa: E731
+        mask = None if nq == 1 else torch.ones(nq, nk, dtype=torch.bool, device="cuda").tril(nk - nq)
+        fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)  # noqa: E731
         row.update(route="sdpa", splits=None)
     elif impl.startswith(("xattn-paged", "xattn-vllm")):  # the same keys in a pool of shuffled pages (issue #44)
         import xattn.torch.paged as torch_paged

@@ -319,7 +319,7 @@ def test_host_cost_cpu_tool_runs():
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "host_cost_cpu.py")], capture_output=True,
                          text=True, check=True, timeout=300).stdout
-    assert out.count(" us  ") == 5 and "ffpa_attention_forward, d512 decode" in out
+    assert out.count(" us  ") == 7 and "ffpa_attention_forward, d512 decode" in out and "(split-kv)" in out
 
 
 @pytest.mark.slow  # ~50 s of CPU: transformers' continuous batching loop, twice

@@ -8,7 +8,8 @@ variant's out is checked against fp32 SDPA before it is timed.
     python benchmarks/tools/decode_tile_probe.py [--shapes B:NK,...] [--tiles 128x128,64x128,64x64]
         [--splits 0,8,16,32] [--pdl 0,1] [--compile-only]
 
-Variants: tile ``MxN`` of the split launch (FlashAttention's sm90 forward, one MMA warpgroup per 64 rows;
+Variants: tile ``MxN`` (or ``MxNsK``: K pipeline stages for K and V, default FlashAttention's 2) of the split
+launch (FlashAttention's sm90 forward, one MMA warpgroup per 64 rows;
 ``128x128`` is flash_attn's own d128 choice; ``xattn.core.split_kv.SPLIT_TILES`` the shipped one) x combine PDL
 off/on x num_splits (0: the route's rule). ``--compile-only`` compiles the variants on a CPU
 (CUTE_DSL_ARCH=sm_90a) and exits.
@@ -37,7 +38,7 @@ def split_spec():
     return split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", D, D, HQ // HKV, causal=False, varlen=True))
 
 
-def compile_split(spec, tile_m: int, tile_n: int):
+def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2):
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     from xattn.core import fa4_sm90
@@ -47,7 +48,7 @@ def compile_split(spec, tile_m: int, tile_n: int):
     g = spec.qhead_per_kvhead
     kernel = FlashAttentionForwardSm90(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, g, is_causal=spec.causal, is_local=spec.is_local,
-        pack_gqa=g > 1, tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=128 * (tile_m // 64 + 1),
+        pack_gqa=g > 1, tile_m=tile_m, tile_n=tile_n, num_stages=stages, num_threads=128 * (tile_m // 64 + 1),
         Q_in_regs=False, intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
     dims = Dims(spec)
     return compile_launcher(fa4_sm90._VarlenFwd(kernel, spec), (*dims.qkv(), *dims.cu_seqlens(), *dims.out_lse()))
@@ -57,6 +58,13 @@ def compile_combine(spec, pdl: bool):
     from xattn.core.combine_sm90 import compile_combine as build
 
     return build(spec, pdl=pdl)
+
+
+def _tile(text: str) -> tuple[int, int, int]:
+    """``"64x64"`` -> (64, 64, 2); ``"64x64s3"`` -> (64, 64, 3): tile_m, tile_n, pipeline stages."""
+    dims, _, stages = text.partition("s")
+    tm, tn = (int(x) for x in dims.split("x"))
+    return tm, tn, int(stages or 2)
 
 
 def _install(spec, function):
@@ -73,19 +81,19 @@ def main():
     ap.add_argument("--pdl", default="0,1")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
-    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    tiles = [_tile(t) for t in args.tiles.split(",")]
     pdls = [bool(int(x)) for x in args.pdl.split(",")]
     from xattn.core.split_kv import CombineSpec
 
     spec, cspec = split_spec(), CombineSpec("fa4", "bfloat16", D)
     built = {}
-    for tm, tn in tiles:
+    for tm, tn, st in tiles:
         t0 = time.perf_counter()
         try:
-            built[("tile", tm, tn)] = compile_split(spec, tm, tn)
-            print(f"compiled split {tm}x{tn} in {time.perf_counter() - t0:.1f} s", flush=True)
+            built[("tile", tm, tn, st)] = compile_split(spec, tm, tn, st)
+            print(f"compiled split {tm}x{tn}s{st} in {time.perf_counter() - t0:.1f} s", flush=True)
         except Exception as exc:  # a tile FlashAttention cannot build is reported, the rest go on
-            print(f"split {tm}x{tn}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            print(f"split {tm}x{tn}s{st}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     for pdl in pdls:
         t0 = time.perf_counter()
         built[("combine", pdl)] = compile_combine(cspec, pdl)
@@ -131,7 +139,7 @@ def main():
                     for other in set(cache._entries) - before:  # the route took a launcher the probe did not set
                         print(f"  note: the call also loaded {other.short_name()}", flush=True)
                     ms = graph_ms(call)
-                    print(f"B{b} {nk // 1024}k tile {key[1]}x{key[2]} pdl {int(pdl)} S={s or 'auto'}: "
+                    print(f"B{b} {nk // 1024}k tile {key[1]}x{key[2]}s{key[3]} pdl {int(pdl)} S={s or 'auto'}: "
                           f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
 
 

@@ -43,6 +43,10 @@ def rows() -> dict:
     hk = torch.randn(1, 4, nk, 512, dtype=torch.bfloat16)
     sq = torch.randn(1, 32, 1, 256, dtype=torch.bfloat16)
     sk = torch.randn(1, 16, 1024, 256, dtype=torch.bfloat16)
+    dq = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)  # decode steps: one query over 8k keys (split-KV)
+    dk = torch.randn(1, 8192, 8, 128, dtype=torch.bfloat16)
+    dq5 = torch.randn(1, 1, 32, 512, dtype=torch.bfloat16)
+    dk5 = torch.randn(1, 8192, 4, 512, dtype=torch.bfloat16)
     pad = torch.ones(1, nk, dtype=torch.bool)
     window = mu.sliding_window_causal_mask_function(1024)
     full_mask = fa.ffpa_mask(1, 1, nk, q_offset=nk - 1, mask_function=mu.causal_mask_function, attention_mask=pad)
@@ -51,6 +55,8 @@ def rows() -> dict:
     cases = {
         "xattn.torch.attention d128 (FA4)": lambda: xt.attention(q, q, q, softmax_scale=0.1),
         "xattn.torch.attention d512 (FFPA)": lambda: xt.attention(q5, q5, q5, softmax_scale=0.1),
+        "xattn.torch.attention d128 decode B1 8k (split-kv)": lambda: xt.attention(dq, dk, dk, causal=True),
+        "xattn.torch.attention d512 decode B1 8k (split-kv)": lambda: xt.attention(dq5, dk5, dk5, causal=True),
         "HF ffpa_mask, full layer (dynamic cache)": lambda: fa.ffpa_mask(
             1, 1, nk, q_offset=nk - 1, mask_function=mu.causal_mask_function, attention_mask=pad),
         "HF ffpa_attention_forward, d512 decode": lambda: fa.ffpa_attention_forward(layer, hq, hk, hk, full_mask,

@@ -3,7 +3,7 @@ where the host time goes (cProfile by function, torch.profiler by CPU op) for th
 far above ``ms_graph`` in ``benchmarks/results/decode_attention_h200.json``.
 
     python benchmarks/tools/split_host_probe.py [--shapes d512:1:4:8192,d128:1:1:8192]   # name:B:Nq:Nk
-        [--calls contiguous,fused,kvcache,paged64,packed,vllm64] [--profile] [--legacy-side]
+        [--calls contiguous,growing,fused,kvcache,paged64,packed,vllm64] [--profile] [--legacy-side]
 """
 from __future__ import annotations
 
@@ -123,8 +123,25 @@ def _vllm(b, nq, nk, d, hq, hkv):
                                       causal=True)
 
 
-CALLS = {"contiguous": _contiguous, "fused": lambda *a: _contiguous(*a, splits=1), "kvcache": _kvcache,
-         "paged64": _paged_call, "packed": _packed, "vllm64": _vllm}
+def _growing(b, nq, nk, d, hq, hkv):
+    """The contiguous call on a cache that grows by one key per call, as HF's ``DynamicCache`` decodes: every call
+    has a new length (the split route sets up each; 4096 lengths in turn, more than its memo holds)."""
+    import itertools
+
+    import xattn.torch as xt
+
+    q, k, v = _inputs(b, nq, nk + 4096, d, hq, hkv)
+    step = itertools.count()
+
+    def call():
+        n = nk + next(step) % 4096
+        return xt.attention(q, k[:, :n], v[:, :n], causal=True)
+
+    return call
+
+
+CALLS = {"contiguous": _contiguous, "growing": _growing, "fused": lambda *a: _contiguous(*a, splits=1),
+         "kvcache": _kvcache, "paged64": _paged_call, "packed": _packed, "vllm64": _vllm}
 
 
 class _LegacySide:

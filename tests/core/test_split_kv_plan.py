@@ -139,6 +139,17 @@ def test_fa4_d128_split_launch_takes_the_decode_tile_and_nothing_else_does():
         assert tiled_paged.short_name().endswith("_t64x64_sm_90a") and tiled_paged != paged
 
 
+@pytest.mark.parametrize("tile", [(32, 64), (192, 64), (64, 8), (64, 72), (64, 512)])
+def test_a_decode_tile_the_kernel_cannot_take_is_refused_when_its_key_is_made(tile):
+    from xattn.core.spec import KernelSpec
+
+    base = KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True)
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    with pytest.raises(ValueError, match=f"{tile[0]}x{tile[1]}"):
+        split_kv.SplitFwdSpec(**fields, tile_m=tile[0], tile_n=tile[1])
+    assert split_kv.SplitFwdSpec(**fields, tile_m=128, tile_n=128).num_threads == 384
+
+
 def test_info_lists_the_forward_route_rule(monkeypatch):
     lines = routes.forward_table()
     assert any("split-kv" in x for x in lines) and any("XATTN_FWD_ROUTE=auto" in x for x in lines)

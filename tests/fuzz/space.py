@@ -130,16 +130,19 @@ def launcher_pool() -> list[KernelSpec]:
 
 def split_launchers() -> list:
     """The launchers the split-KV forward of the pool's entries (dense and packed) runs when the fuzz forces it:
-    the family's varlen forward (non-causal splits, with the decode tile where the core has one; causal tail) and
-    the combine (:mod:`xattn.core.split_kv`)."""
+    the family's varlen forward (non-causal splits, with the decode tile where the core has one; causal tail), the
+    slot launch's dense non-causal forward (:func:`xattn.core.split_kv.slot_chunk`) and the combine
+    (:mod:`xattn.core.split_kv`)."""
     import dataclasses
 
-    from xattn.core.split_kv import CombineSpec, split_launch_spec
+    from xattn.core.split_kv import SLOT_FAMILIES, CombineSpec, split_launch_spec
 
     out = []
     for s in launcher_pool():
         if s.direction == "fwd" and not s.is_local:
             out += [split_launch_spec(dataclasses.replace(s, varlen=True, causal=c)) for c in (False, True)]
+            if s.family in SLOT_FAMILIES:
+                out.append(dataclasses.replace(s, varlen=False, causal=False))
             out.append(CombineSpec(s.family, s.dtype, s.head_dim_v))
     return list(dict.fromkeys(out))
 

@@ -54,6 +54,43 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("nq, nk, splits", [(4, 900, 3), (16, 1000, 7), (2, 2051, 5), (3, 131, 2), (5, 6, 4)])
+def test_one_sequence_with_a_causal_tail_runs_the_slot_launch(layout, nq, nk, splits, monkeypatch):
+    """FFPA, B = 1, a causal tail in place: the splits are one dense launch reading q through a batch stride of 0
+    (no copy of q per slot) and equal key chunks through a strided view of the cache; the tail takes the rest."""
+    from xattn.core import split_kv
+    from xattn.torch import ops
+
+    seen, fwd = [], ops.LAUNCH["fwd"]
+    monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, q, k, *a, **kw: (seen.append((checked[0], q, k)),
+                                                                            fwd(checked, q, k, *a, **kw))[1])
+    q, k, v = _decode_inputs(1, nq, 8, 2, nk, 16, layout, seed=nk + nq)
+    out, lse = xt.attention_with_lse(q, k, v, causal=True, family="ffpa", num_splits=splits)
+    dense = [x for x in seen if not x[0].varlen]
+    assert len(dense) == 1 and len(seen) == 2 and not dense[0][0].causal
+    _, q_slots, k_slots = dense[0]
+    slots, chunk = k_slots.shape[:2]
+    assert q_slots.shape == (slots, nq, 8, 16) and q_slots.stride(0) == 0 and q_slots.data_ptr() == q.data_ptr()
+    assert k_slots.data_ptr() == k.data_ptr() and k_slots.stride(0) == chunk * k.stride(1)  # views, no copies
+    assert chunk == split_kv.slot_chunk(split_kv.plan_splits(splits, True, nq, nk), "ffpa", 1, nk, nq) > 0
+    assert nq <= nk - slots * chunk < nq + slots  # the tail's keys
+    ref_out, ref_lse = ref_attention(q, k, v, scale=16 ** -0.5, causal=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
+
+
+def test_the_slot_launch_is_ffpas_with_one_sequence_and_its_tail_in_place():
+    from xattn.core import split_kv
+
+    plan = split_kv.plan_splits(8, True, 4, 4096)
+    assert split_kv.slot_chunk(plan, "ffpa", 1, 4096, 4) == 4092 // plan.splits
+    assert split_kv.slot_chunk(plan, "fa4", 1, 4096, 4) == 0  # FA4's split launch: its varlen decode tile
+    assert split_kv.slot_chunk(plan, "ffpa", 2, 4096, 4) == 0  # two sequences: one q copy per slot
+    assert split_kv.slot_chunk(split_kv.plan_splits(8, False, 4, 4096), "ffpa", 1, 4096, 4) == 0  # no tail
+    assert split_kv.slot_chunk(split_kv.plan_splits(8, True, 4, None), "ffpa", 1, 4096, 4) == 0  # lengths per call
+
+
 @pytest.mark.parametrize("causal, nq", [(False, 1), (True, 4)])
 def test_fa4_d128_split_launch_runs_the_decode_tile(causal, nq, monkeypatch):
     """The split launch of FA4 d128 is the core's decode tile (split_kv.SPLIT_TILES); the causal tail is not."""
@@ -132,6 +169,36 @@ def test_device_cu_seqlens_equal_the_core_plan(seed):
                                        None if starts is None else torch.tensor(starts))
     got = [cu_q.tolist(), cu_k.tolist(), tail_q.tolist() if plan.tail else [], tail_k.tolist() if plan.tail else []]
     assert got == [list(x) for x in want]
+
+
+def test_int32_lists_are_one_tensor_with_aligned_views():
+    from xattn.torch.split_kv import int32_lists
+
+    a, none, b, c = int32_lists(torch.device("cpu"), [0, 3, 7], [], [5], list(range(9)))
+    assert none is None and a.dtype == b.dtype == c.dtype == torch.int32
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([0, 3, 7], [5], list(range(9)))
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()  # one tensor, one copy
+    assert all(t.data_ptr() % 16 == 0 for t in (a, b, c))  # each view starts on 16 bytes, as a fresh tensor
+
+
+def test_outside_graph_pools_reuses_one_worker_and_runs_nested_builds_in_it(monkeypatch):
+    """CUDA builds run in one worker thread (not the caller's: torch.compile's CUDA-graph trees send the caller's
+    allocations to a graph pool), started once; a build that asks again runs in place (a nested submit to the one
+    worker would wait for itself). The CUDA calls are stand-ins here."""
+    import contextlib
+    import threading
+
+    from xattn.torch import split_kv as sk
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    cuda = torch.device("cuda", 0)
+    ident = lambda: threading.get_ident()  # noqa: E731
+    outer, inner = sk.outside_graph_pools(lambda: (ident(), sk.outside_graph_pools(ident, cuda)), cuda)
+    again = sk.outside_graph_pools(ident, cuda)
+    assert outer == inner == again != threading.get_ident()
+    assert sk.outside_graph_pools(ident, torch.device("cpu")) == threading.get_ident()
 
 
 def _packed(lens_q, lens_k, hq, hkv, d, dv, seed, trailing_q=0, trailing_k=0):

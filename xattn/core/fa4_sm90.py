@@ -147,10 +147,8 @@ class _VarlenBwdGqa(_Bwd):
 def _fwd_kernel(spec: KernelSpec):
     cfg = _tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
     tile_m, tile_n, threads = cfg.m_block_size, cfg.n_block_size, 384
-    if isinstance(spec, SplitFwdSpec):  # the split launch's decode tile
-        if spec.tile_m not in (64, 128) or spec.tile_n % 16 or not 16 <= spec.tile_n <= 256:
-            raise NotImplementedError(f"{spec.short_name()}: tile_m 64 or 128, tile_n a multiple of 16 up to 256")
-        tile_m, tile_n, threads = spec.tile_m, spec.tile_n, 128 * (spec.tile_m // 64 + 1)
+    if isinstance(spec, SplitFwdSpec):  # the split launch's decode tile (checked when the key was made)
+        tile_m, tile_n, threads = spec.tile_m, spec.tile_n, spec.num_threads
     return FlashAttentionForwardSm90(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
         is_causal=spec.causal, is_local=spec.is_local, pack_gqa=spec.qhead_per_kvhead > 1,

@@ -26,6 +26,10 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
    ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
    A row no key reaches gets out 0, lse -inf, as the fused kernels.
 
+**Slot launch** (FFPA, one sequence, a causal tail in place: :func:`slot_chunk`): the splits run as the dense
+forward of batch S instead, q read once per slot through a batch stride of 0 (no copy of q: the speculative-decoding
+step of one sequence), keys through a strided view of equal chunks; the tail takes the remainder.
+
 **Packed queries** (varlen: ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_q/k``, at most Nq =
 ``max_seqlen_q`` <= :data:`MAX_DECODE_QUERIES` queries per document: vLLM's and HF continuous batching's decode
 steps) run as the dense problem with Nq = ``max_seqlen_q``: document b's ``n_b`` queries are gathered into the
@@ -53,8 +57,8 @@ from pathlib import Path
 from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 
 __all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
-           "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "MAX_DECODE_QUERIES",
-           "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
+           "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_chunk", "SLOT_FAMILIES",
+           "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -126,6 +130,21 @@ def splits_only(plan: SplitPlan) -> SplitPlan:
     splits as a plan without a tail, over each sequence's keys before the tail (``length - Nq``): S documents
     of Nq queries, then the one without a query (its cu_seqlens by :func:`split_cu_seqlens`)."""
     return SplitPlan(plan.splits, False, plan.chunk, True)
+
+
+SLOT_FAMILIES = ("ffpa",)  # whose dense forward is the split launch's kernel (FA4's has its varlen decode tile)
+
+
+def slot_chunk(plan: SplitPlan, family: str, batch: int, length: int, seqlen_q: int) -> int:
+    """Keys per split ``c`` of the **slot launch**, or 0 where it does not apply: one sequence of ``length`` keys
+    with a causal tail written in place (:meth:`SplitPlan.tail_in_place`), a family of :data:`SLOT_FAMILIES`. The
+    split launch is then the family's dense forward over S slots (batch S): every slot reads q's own Nq rows
+    through a batch stride of 0 (no copy of q per slot) and slot s the keys ``[s c, (s + 1) c)``, ``c = (L - Nq) //
+    S``, through a batch stride of c rows (no copy of the cache); the causal tail takes the keys from ``S c`` on
+    (Nq to Nq + S - 1 of them: its bottom-right alignment lets every query see the ones before its causal part)."""
+    if family not in SLOT_FAMILIES or not plan.tail_in_place(batch):
+        return 0
+    return _full_keys(length, seqlen_q, True) // plan.splits  # >= 1: a filled plan has at most one split per key
 
 
 def _full_keys(length: int, seqlen_q: int, tail: bool) -> int:
@@ -255,6 +274,12 @@ class SplitFwdSpec(KernelSpec):
     tile_n: int = 64
 
     __hash__ = FieldsHashed.cached_hash
+
+    def __post_init__(self):
+        if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"SplitFwdSpec: tile_m 64 or 128 and tile_n a multiple of 16 in 16-256, got "
+                             f"{self.tile_m}x{self.tile_n}")
+        super().__post_init__()
 
     @property
     def num_threads(self) -> int:

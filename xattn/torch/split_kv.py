@@ -10,8 +10,9 @@ launch. The keys are read in place through a flat strided view of k and v (no co
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import contextlib
+import functools
+import os
 import threading
 from typing import NamedTuple
 
@@ -58,6 +59,8 @@ def rows_per_seq(k: Tensor, v: Tensor) -> int | None:
 
 def flat_keys(t: Tensor, key_rows: int) -> Tensor:
     """``[R (B-1) + Nk, H, D]``: every sequence's keys on one row stride, a view of ``t`` (module docstring)."""
+    if t.shape[0] == 1:  # one sequence: its own rows (the cheaper view; a decode step's usual case)
+        return t[0]
     return t.as_strided((key_rows, t.shape[2], t.shape[3]), (t.stride(1), t.stride(2), t.stride(3)),
                         t.storage_offset())
 
@@ -142,16 +145,19 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     key_rows, dev = kf.shape[0], q.device
     # the split launch's own plan and lengths: with the tail in place, its splits alone, on the keys before it
     lp, ln = (split_kv.splits_only(plan), nk - nq) if plan.tail_in_place(b) else (plan, nk)
-    _, cu_k, _, _ = split_kv.split_cu_seqlens(lp, nq, rows, [ln] * b, key_rows)  # host: the maxima
-    _, _, _, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
+    cu_q, cu_k, _, _ = split_kv.split_cu_seqlens(lp, nq, rows, [ln] * b, key_rows)  # host lists (and the maxima)
+    tail_q = tail_k = []
+    if plan.tail:
+        _, _, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
     full = lambda n: torch.full((b,), n, dtype=torch.int32, device=dev)  # noqa: E731
-    # the device copies by device arithmetic, never a host-to-device copy: a first call inside CUDA-graph
-    # capture (a new cache length under torch.compile's CUDA graphs) must not copy from pageable memory
-    cu_q_d, tail_q_d, cu_k_d, tail_k_d = outside_graph_pools(lambda: (
-        device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
-        device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
-        device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
+    if _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): by device arithmetic
+        cu_q_d, tail_q_d, cu_k_d, tail_k_d = outside_graph_pools(lambda: (
+            device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
+            device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
+            device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
+    else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy, not ~30 kernels
+        cu_q_d, tail_q_d, cu_k_d, tail_k_d = int32_lists(dev, cu_q, tail_q, cu_k, tail_k)
     checked = split_kv.split_launch(  # the decode tile where the core has one (split_kv.SPLIT_TILES)
         ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k)))
     tail_checked = None
@@ -163,22 +169,69 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
                                    tail_checked, combine))
 
 
+def _capturing(device: torch.device) -> bool:
+    """Inside CUDA-graph capture on ``device``'s stream: no host-to-device copy there (a captured copy would replay
+    from a host buffer nothing keeps)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def int32_lists(device: torch.device, *lists: list) -> list[Tensor]:
+    """Host int lists as int32 tensors on ``device``: one tensor, one asynchronous host-to-device copy from pinned
+    memory (no wait for the GPU; not inside CUDA-graph capture), built outside any graph's pool
+    (:func:`outside_graph_pools`); returns views of it, one per list (``None`` for an empty list), each starting
+    16 bytes into the last (as a fresh tensor would be aligned)."""
+    flat, starts = [], []
+    for xs in lists:
+        starts.append(len(flat))
+        flat += list(xs) + [0] * (-len(xs) % 4)
+    host = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":  # pinned: from pageable memory the driver's staging copy holds the host ~0.2 ms
+        host = host.pin_memory()
+    whole = outside_graph_pools(lambda: host.to(device, non_blocking=True), device)
+    return [whole[at:at + len(xs)] if xs else None for at, xs in zip(starts, lists)]
+
+
 def outside_graph_pools(build, device: torch.device):
     """``build()`` for tensors the memo keeps past this call. torch.compile's CUDA-graph trees send every
     allocation of the thread that warms up or records a graph to the graph's pool and refuse a pool tensor
     that outlives the graph's outputs ("tensors in the cudagraph pool not tracked as outputs"); so a CUDA
     ``build`` runs in a worker thread (the normal pool) on the caller's current stream (ordered with its
     work). Inside a raw stream capture (``torch.cuda.graph``) it runs here: the capture's pool holds them."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or getattr(_WORKER_STATE, "inside", False):
         return build()
     stream = torch.cuda.current_stream(device)
 
     def run():
-        with torch.cuda.stream(stream):
-            return build()
+        _WORKER_STATE.inside = True  # a build that asks again runs here (one worker: a nested submit would wait)
+        try:
+            with torch.cuda.stream(stream):
+                return build()
+        finally:
+            _WORKER_STATE.inside = False
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(run).result()
+    return _worker().submit(run).result()
+
+
+_WORKER_STATE = threading.local()
+_WORKER_LOCK = threading.Lock()
+_WORKERS: list = []  # the one worker thread of outside_graph_pools, started once (not one thread per build)
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    with _WORKER_LOCK:
+        if not _WORKERS:
+            _WORKERS.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xattn-outside-graph-pools"))
+        return _WORKERS[0]
+
+
+def _forked() -> None:
+    """In a forked child: no worker thread (and no lock another thread held): it starts its own."""
+    global _WORKER_LOCK
+    _WORKER_LOCK = threading.Lock()
+    _WORKERS.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def device_cu_seqlens_q(plan: SplitPlan, batch: int, seqlen_q: int, device):
@@ -221,18 +274,17 @@ def _slots(q: Tensor, p: int) -> Tensor:
     else one broadcast copy, moved as 8-byte words where q's rows allow (the generic broadcast copy moves
     2-byte elements at a fraction of the bandwidth)."""
     b, nq, hq, d = q.shape
-    slots = q.unsqueeze(1).expand(b, p, nq, hq, d)
     if p == 1:
         return q.reshape(b * nq, hq, d)
-    if b * nq == 1:  # the one case of a view (tested here: a failed view raises, ~25 us per call)
-        return slots.view(p, hq, d)
+    if b * nq == 1:  # the one case of a view: row stride 0 (decided here: a failed view raises, ~25 us per call)
+        return q.as_strided((p, hq, d), (0, q.stride(2), q.stride(3)), q.storage_offset())
     flat = q.reshape(b, 1, nq * hq * d)
     if flat.is_contiguous() and (flat.shape[-1] * q.element_size()) % 8 == 0 and flat.data_ptr() % 8 == 0:
         words = flat.view(torch.int64)
         out = torch.empty((b, p, words.shape[-1]), dtype=torch.int64, device=q.device)
         out.copy_(words.expand(b, p, words.shape[-1]))
         return out.view(q.dtype).view(b * p * nq, hq, d)
-    return slots.reshape(b * p * nq, hq, d)
+    return q.unsqueeze(1).expand(b, p, nq, hq, d).reshape(b * p * nq, hq, d)
 
 
 def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor, scale: float, rows: int,
@@ -280,6 +332,10 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     """:func:`split_forward` without lengths on the flat key views ``kf/vf [key_rows, Hkv, D]``: sequence b's Nk keys
     start at row ``b * rows``; every index is the shape's, set up once (:func:`_setup`)."""
     b, nq, hq, d = q.shape
+    chunk = split_kv.slot_chunk(plan, family, b, nk, nq)
+    if chunk:
+        _slot_split(plan, family, q, kf, vf, nk, chunk, scale, out, lse)
+        return
     dv = vf.shape[-1]
     p = plan.partials
     in_place = plan.tail_in_place(b)
@@ -292,6 +348,49 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     if plan.prefill(b):
         lse_p.fill_(float("-inf"))
     _launches(plan, setup, q, q_split, kf, vf, scale, out_p, lse_p, lse_t, out, lse, in_place, fill_tail=True)
+
+
+def _slot_split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, chunk: int, scale: float,
+                out: Tensor, lse: Tensor) -> None:
+    """:func:`_split` as the slot launch (:func:`xattn.core.split_kv.slot_chunk`): q ``[1, Nq, Hq, D]``, the keys
+    ``kf/vf [Nk, Hkv, D]``; the S splits are the dense forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on
+    ``k_slots [S, chunk, Hkv, D]`` (batch stride ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq,
+    Dv]`` / ``lse_p [P, Hq, Nq]``; the causal tail beside them writes slot S (its varlen layouts are the same rows)."""
+    nq, hq, d = q.shape[1:]
+    dv, s = vf.shape[-1], plan.splits
+    q_slots = q.as_strided((s, nq, hq, d), (0, *q.stride()[1:]), q.storage_offset())
+    k_slots, v_slots = (t.as_strided((s, chunk, *t.shape[1:]), (chunk * t.stride(0), *t.stride()), t.storage_offset())
+                        for t in (kf, vf))
+    q_tail = q.reshape(nq, hq, d)
+    setup = _slot_setup(plan, family, q_slots, k_slots, v_slots, q_tail, kf, vf, nk, chunk)
+    out_p = torch.empty((s + 1, nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse_p = torch.empty((s + 1, hq, nq), dtype=torch.float32, device=q.device)
+    side = Side(q.device)
+    with side.fork():  # the causal tail beside the splits, into slot S
+        ops.LAUNCH["fwd"](setup.tail_checked, q_tail, kf, vf, out_p[s], lse_p[s], softmax_scale=scale,
+                          cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
+                          max_seqlen_k=setup.tail_max_k)
+    ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p[:s], lse_p[:s], softmax_scale=scale)
+    side.join()
+    ops.LAUNCH["combine"](setup.combine, out_p.unsqueeze(1), lse_p.unsqueeze(1).transpose(2, 3), out,
+                          lse.permute(0, 2, 1))
+
+
+def _slot_setup(plan: SplitPlan, family: str, q_slots: Tensor, k_slots: Tensor, v_slots: Tensor, q_tail: Tensor,
+                kf: Tensor, vf: Tensor, nk: int, chunk: int) -> _Setup:
+    """:func:`_setup` of the slot launch: its dense ``(spec, problem)``, the tail launch's ``cu_seqlens`` (a
+    document without a query on keys ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``) and the combine."""
+    key = ("slots", plan, family, q_slots.shape, k_slots.shape, v_slots.shape, q_slots.dtype, nk, q_slots.device)
+    hit = _SETUPS.get(key)
+    if hit is not None:
+        return hit
+    nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * chunk
+    tail_q, tail_k = outside_graph_pools(lambda: (  # device arithmetic (a few kernels; capturable)
+        (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])), dev)
+    checked = ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1)
+    tail_checked = ops._checked("fwd", family, q_tail, kf, vf, True, -1, -1, tail_q, tail_k, nq, nk - first)
+    combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1])
+    return _SETUPS.put(key, _Setup(None, None, chunk, checked, tail_q, tail_k, nk - first, tail_checked, combine))
 
 
 def _split_device(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
@@ -361,7 +460,11 @@ def _launches(plan: SplitPlan, setup: _Setup, q: Tensor, q_split: Tensor, kf: Te
                               softmax_scale=scale, cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k,
                               max_seqlen_q=nq, max_seqlen_k=setup.tail_max_k)
     rows_s = q_split.shape[0]
-    ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_p[:rows_s], lse_p[:, :rows_s], softmax_scale=scale,
+    if rows_s != out_p.shape[0]:  # the tail's rows in place after the splits' (no slices otherwise: host time)
+        out_s, lse_s = out_p[:rows_s], lse_p[:, :rows_s]
+    else:
+        out_s, lse_s = out_p, lse_p
+    ops.LAUNCH["fwd"](setup.checked, q_split, kf, vf, out_s, lse_s, softmax_scale=scale,
                       cu_seqlens_q=setup.cu_q, cu_seqlens_k=setup.cu_k, max_seqlen_q=nq, max_seqlen_k=setup.max_k)
     if side:  # a copied tail's slot once the splits are written (their launch gives it no key), then join
         if not in_place:
@@ -369,8 +472,15 @@ def _launches(plan: SplitPlan, setup: _Setup, q: Tensor, q_split: Tensor, kf: Te
                 out_p.view(b, p, nq, hq, dv)[:, p - 1].copy_(out_t.view(b, nq, hq, dv))
                 lse_p.view(hq, b, p, nq)[:, :, p - 1].copy_(lse_t.view(hq, b, nq))
         side.join()
-    ops.LAUNCH["combine"](setup.combine, out_p.view(b, p, nq, hq, dv).permute(1, 0, 2, 3, 4),
-                          lse_p.view(hq, b, p, nq).permute(2, 1, 3, 0), out, lse.permute(0, 2, 1))
+    ops.LAUNCH["combine"](setup.combine, *_partial_views(out_p, lse_p, b, p, nq, hq, dv), out, lse.permute(0, 2, 1))
+
+
+def _partial_views(out_p: Tensor, lse_p: Tensor, b: int, p: int, nq: int, hq: int, dv: int) -> tuple[Tensor, Tensor]:
+    """The combine's views of the partials: ``out_p [B*P*Nq, Hq, Dv]`` as ``[P, B, Nq, Hq, Dv]`` and ``lse_p
+    [Hq, B*P*Nq]`` as ``[P, B, Nq, Hq]`` (both contiguous: one ``as_strided`` each, not a view and a permute)."""
+    n = p * nq
+    return (out_p.as_strided((p, b, nq, hq, dv), (nq * hq * dv, n * hq * dv, hq * dv, dv, 1)),
+            lse_p.as_strided((p, b, nq, hq), (nq, n, 1, b * n)))
 
 
 _split_meta_spec = functools.lru_cache(maxsize=8)(SplitMetaSpec)  # built once per variant, not per step
