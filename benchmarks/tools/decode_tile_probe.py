@@ -1,18 +1,21 @@
-"""Where FA4's split-KV decode loses to SDPA at d128 (#43): the split launch compiled with other tiles and the
-combine launched with programmatic dependent launch (PDL), each timed in a CUDA graph beside torch SDPA.
+"""Where split-KV decode loses time outside the stream of keys (#43): the split launch compiled with other tiles
+(FA4 d128) or with an early PDL trigger, and the combine with other thread counts, pipeline depths and programmatic
+dependent launch (PDL), each timed in a CUDA graph beside torch SDPA.
 
-A variant replaces the shipped launcher in xattn's in-process launcher table (``xattn.core.cache``) for the
+A variant replaces the shipped launchers in xattn's in-process launcher table (``xattn.core.cache``) for the
 probe's calls only; it is compiled here (FA4 ~10 s a tile on a CPU), never stored in the disk cache. Each
 variant's out is checked against fp32 SDPA before it is timed.
 
-    python benchmarks/tools/decode_tile_probe.py [--shapes B:NK,...] [--tiles 128x128,64x128,64x64]
-        [--splits 0,8,16,32] [--pdl 0,1] [--compile-only]
+    python benchmarks/tools/decode_tile_probe.py [--layer d128|d512] [--shapes B:NK,...]
+        [--variants SPLIT/COMBINE,...] [--splits 0,8,16,32] [--compile-only]
 
-Variants: tile ``MxN`` (or ``MxNsK``: K pipeline stages for K and V, default FlashAttention's 2) of the split
-launch (FlashAttention's sm90 forward, one MMA warpgroup per 64 rows;
-``128x128`` is flash_attn's own d128 choice; ``xattn.core.split_kv.SPLIT_TILES`` the shipped one) x combine PDL
-off/on x num_splits (0: the route's rule). ``--compile-only`` compiles the variants on a CPU
-(CUTE_DSL_ARCH=sm_90a) and exits.
+A variant is ``SPLIT/COMBINE``. SPLIT (FA4 d128 only; d512 keeps the shipped FFPA launch: ``shipped``): ``shipped``,
+or a tile ``MxN`` / ``MxNsK`` (K pipeline stages for K and V, default FlashAttention's 2) of FlashAttention's sm90
+forward (one MMA warpgroup per 64 rows; ``128x128`` is flash_attn's own d128 choice), ``+trig`` for a kernel whose
+threads call ``griddepcontrol.launch_dependents`` first (a PDL-launched combine may then start while the splits
+run; it waits on ``griddepcontrol.wait`` before it reads a partial). COMBINE: ``tTsS`` (T threads, S partial tiles
+in flight; ``t256s4`` is the shipped one), ``+pdl`` for a PDL launch. num_splits 0: the route's rule.
+``--compile-only`` compiles the variants on a CPU (CUTE_DSL_ARCH=sm_90a) and exits.
 Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benchmarks/decode_attention.py.
 """
 
@@ -26,19 +29,38 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-HQ, HKV, D = 32, 8, 128
+LAYERS = {"d128": ("fa4", 32, 8, 128), "d512": ("ffpa", 32, 4, 512)}  # family, Hq, Hkv, D
+DEFAULT_VARIANTS = ("shipped/t256s4,shipped/t256s4+pdl,shipped+trig/t256s4+pdl,shipped/t256s16,"
+                    "shipped+trig/t256s16+pdl,shipped/t128s8,shipped+trig/t128s16+pdl,shipped+trig/t128s32+pdl")
 
 
-def split_spec():
-    """The key the route looks the split launch up by for Hq32/Hkv8 d128 bf16 (varlen, non-causal: the splits see
-    no mask; the decode tile's :class:`~xattn.core.split_kv.SplitFwdSpec` where the core has one)."""
+def split_spec(layer: str):
+    """The key the route looks the split launch up by (varlen, non-causal: the splits see no mask; FA4's decode
+    tile :class:`~xattn.core.split_kv.SplitFwdSpec` where the core has one)."""
     from xattn.core.spec import KernelSpec
     from xattn.core.split_kv import split_launch_spec
 
-    return split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", D, D, HQ // HKV, causal=False, varlen=True))
+    family, hq, hkv, d = LAYERS[layer]
+    return split_launch_spec(KernelSpec(family, "fwd", "bfloat16", d, d, hq // hkv, causal=False, varlen=True))
 
 
-def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2):
+def _triggered(cls):
+    """``cls`` (FlashAttention's sm90 forward) whose producer and MMA threads call ``launch_dependents`` first."""
+    import cutlass.cute as cute
+
+    class Triggered(cls):
+        def load(self, *args, **kwargs):
+            cute.arch.griddepcontrol_launch_dependents()
+            return cls.load(self, *args, **kwargs)
+
+        def mma(self, *args, **kwargs):
+            cute.arch.griddepcontrol_launch_dependents()
+            return cls.mma(self, *args, **kwargs)
+
+    return Triggered
+
+
+def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2, trigger: bool = False):
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     from xattn.core import fa4_sm90
@@ -46,7 +68,8 @@ def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2):
 
     cfg = fa4_sm90._tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
     g = spec.qhead_per_kvhead
-    kernel = FlashAttentionForwardSm90(
+    cls = _triggered(FlashAttentionForwardSm90) if trigger else FlashAttentionForwardSm90
+    kernel = cls(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, g, is_causal=spec.causal, is_local=spec.is_local,
         pack_gqa=g > 1, tile_m=tile_m, tile_n=tile_n, num_stages=stages, num_threads=128 * (tile_m // 64 + 1),
         Q_in_regs=False, intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
@@ -54,17 +77,25 @@ def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2):
     return compile_launcher(fa4_sm90._VarlenFwd(kernel, spec), (*dims.qkv(), *dims.cu_seqlens(), *dims.out_lse()))
 
 
-def compile_combine(spec, pdl: bool):
-    from xattn.core.combine_sm90 import compile_combine as build
-
-    return build(spec, pdl=pdl)
-
-
-def _tile(text: str) -> tuple[int, int, int]:
-    """``"64x64"`` -> (64, 64, 2); ``"64x64s3"`` -> (64, 64, 3): tile_m, tile_n, pipeline stages."""
-    dims, _, stages = text.partition("s")
+def _split_variant(text: str, spec) -> tuple[int, int, int, bool] | None:
+    """``"64x64s3+trig"`` -> (64, 64, 3, True); ``"shipped[+trig]"``: the shipped tile (None: the shipped launcher,
+    no variant to build)."""
+    body, _, flag = text.partition("+")
+    trigger = flag == "trig"
+    if body == "shipped":
+        if not trigger:
+            return None
+        body = f"{getattr(spec, 'tile_m', 128)}x{getattr(spec, 'tile_n', 128)}"
+    dims, _, stages = body.partition("s")
     tm, tn = (int(x) for x in dims.split("x"))
-    return tm, tn, int(stages or 2)
+    return tm, tn, int(stages or 2), trigger
+
+
+def _combine_variant(text: str) -> tuple[int, int, bool]:
+    """``"t128s16+pdl"`` -> (128, 16, True): threads, stages, PDL."""
+    body, _, flag = text.partition("+")
+    threads, stages = body.removeprefix("t").split("s")
+    return int(threads), int(stages), flag == "pdl"
 
 
 def _install(spec, function):
@@ -75,29 +106,31 @@ def _install(spec, function):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="1:8192,1:32768,8:8192", help="B:NK,... (Hq32/Hkv8 d128, q_len 1)")
-    ap.add_argument("--tiles", default="128x128,64x128,64x64")
-    ap.add_argument("--splits", default="0,8,16,32", help="num_splits values for B1 (B>1: 0 and 4)")
-    ap.add_argument("--pdl", default="0,1")
+    ap.add_argument("--layer", default="d128", choices=sorted(LAYERS))
+    ap.add_argument("--shapes", default="1:8192,1:32768,8:8192,8:32768", help="B:NK,... (q_len 1)")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--splits", default="0", help="num_splits values for B1 (B>1: 0)")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
-    tiles = [_tile(t) for t in args.tiles.split(",")]
-    pdls = [bool(int(x)) for x in args.pdl.split(",")]
+    family, hq, hkv, d = LAYERS[args.layer]
+    from xattn.core.combine_sm90 import compile_combine
     from xattn.core.split_kv import CombineSpec
 
-    spec, cspec = split_spec(), CombineSpec("fa4", "bfloat16", D)
-    built = {}
-    for tm, tn, st in tiles:
-        t0 = time.perf_counter()
-        try:
-            built[("tile", tm, tn, st)] = compile_split(spec, tm, tn, st)
-            print(f"compiled split {tm}x{tn}s{st} in {time.perf_counter() - t0:.1f} s", flush=True)
-        except Exception as exc:  # a tile FlashAttention cannot build is reported, the rest go on
-            print(f"split {tm}x{tn}s{st}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    for pdl in pdls:
-        t0 = time.perf_counter()
-        built[("combine", pdl)] = compile_combine(cspec, pdl)
-        print(f"compiled combine pdl={pdl} in {time.perf_counter() - t0:.1f} s", flush=True)
+    spec, cspec = split_spec(args.layer), CombineSpec(family, "bfloat16", d)
+    variants = [tuple(v.split("/")) for v in args.variants.split(",")]
+    splits_built, combines_built = {}, {}
+    for split_text, combine_text in variants:
+        sv, cv = _split_variant(split_text, spec), _combine_variant(combine_text)
+        if sv is not None and sv not in splits_built:
+            if family != "fa4":
+                raise SystemExit(f"{split_text}: split variants are FA4's (d128) only")
+            t0 = time.perf_counter()
+            splits_built[sv] = compile_split(spec, *sv)
+            print(f"compiled split {split_text} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if cv not in combines_built:
+            t0 = time.perf_counter()
+            combines_built[cv] = compile_combine(cspec, pdl=cv[2], threads=cv[0], stages=cv[1])
+            print(f"compiled combine {combine_text} in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.compile_only:
         return
     import torch
@@ -115,32 +148,41 @@ def main():
             fn()
         return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
+    warm = torch.randn(1, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    warm_kv = torch.randn(1, 4096, hkv, d, device="cuda", dtype=torch.bfloat16)
+    xt.attention(warm, warm_kv, warm_kv, causal=True, num_splits=2)  # the shipped launchers, from the disk cache
+    missing = [key.short_name() for key in (spec, cspec) if key not in cache._entries]
+    if missing:
+        raise SystemExit(f"the route did not load {missing}; it loaded {[k.short_name() for k in cache._entries]}")
+    shipped = {key: cache._entries[key] for key in (spec, cspec)}
     for shape in args.shapes.split(","):
         b, nk = (int(x) for x in shape.split(":"))
         g = torch.Generator(device="cuda").manual_seed(nk + b)
-        q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(b, nk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(b, nk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), enable_gqa=True).transpose(1, 2)
         sdpa = graph_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-        print(f"B{b} {nk // 1024}k sdpa {sdpa * 1e3:.1f} us", flush=True)
-        splits = [int(s) for s in args.splits.split(",")] if b == 1 else [0, 4]
-        for key, fn in built.items():
-            if key[0] != "tile":
-                continue
-            _install(spec, fn)
-            for pdl in pdls:
-                _install(cspec, built[("combine", pdl)])
-                for s in splits:
-                    call = lambda: xt.attention(q, k, v, causal=True, num_splits=s)  # noqa: E731
-                    before = set(cache._entries)
-                    err = (call().float() - ref).abs().max().item()
-                    for other in set(cache._entries) - before:  # the route took a launcher the probe did not set
-                        print(f"  note: the call also loaded {other.short_name()}", flush=True)
-                    ms = graph_ms(call)
-                    print(f"B{b} {nk // 1024}k tile {key[1]}x{key[2]}s{key[3]} pdl {int(pdl)} S={s or 'auto'}: "
-                          f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
+        print(f"{args.layer} B{b} {nk // 1024}k sdpa {sdpa * 1e3:.1f} us", flush=True)
+        splits = [int(s) for s in args.splits.split(",")] if b == 1 else [0]
+        for split_text, combine_text in variants:
+            built = {spec: splits_built.get(_split_variant(split_text, spec)),
+                     cspec: combines_built[_combine_variant(combine_text)]}
+            for key, fn in built.items():
+                if fn is None:
+                    cache._entries[key] = shipped[key]
+                else:
+                    _install(key, fn)
+            for s in splits:
+                call = lambda: xt.attention(q, k, v, causal=True, num_splits=s)  # noqa: E731
+                before = set(cache._entries)
+                err = (call().float() - ref).abs().max().item()
+                for other in set(cache._entries) - before:  # the route took a launcher the probe did not set
+                    print(f"  note: the call also loaded {other.short_name()}", flush=True)
+                ms = graph_ms(call)
+                print(f"{args.layer} B{b} {nk // 1024}k {split_text}/{combine_text} S={s or 'auto'}: "
+                      f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":

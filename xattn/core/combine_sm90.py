@@ -30,6 +30,7 @@ from .split_kv import LOG_MAX_PARTIALS, CombineSpec  # noqa: E402
 __all__ = ["compile_combine"]
 
 _THREADS = 256  # the combine kernel's thread count
+_STAGES = 4  # partial O tiles in flight per CTA (FlashAttention's default)
 
 
 class _Combine:
@@ -66,9 +67,10 @@ def launches_with_pdl():
         dsl.KernelLauncher.launch = launch
 
 
-def compile_combine(spec: CombineSpec, pdl: bool | None = None):
+def compile_combine(spec: CombineSpec, pdl: bool | None = None, threads: int = _THREADS, stages: int = _STAGES):
     """Compile the combine launcher of ``spec`` (``pdl``: launch with programmatic dependent launch; default
-    :data:`PDL`); returns the compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher
+    :data:`PDL`; ``threads`` per CTA, ``stages`` partial tiles in flight: the shipped values unless a probe
+    names others); returns the compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher
     ends with one float: the launch path passes the softmax scale)."""
     dtype = CUTE_DTYPES[spec.dtype]
     dv = spec.head_dim_v
@@ -76,12 +78,12 @@ def compile_combine(spec: CombineSpec, pdl: bool | None = None):
     # layout: 256 threads, each loading 16 bytes, cover 256 * (16 B / element) / k_block rows. FlashAttention's
     # own 8/16 rows are right for its fp32 partials only; xattn's partials are 16-bit (the kernels' out dtype).
     k_block = 64 if dv <= 64 else 128
-    tile_m = _THREADS * (128 // dtype.width) // k_block
-    if not FlashAttentionForwardCombine.can_implement(dtype, dtype, dv, tile_m, k_block, LOG_MAX_PARTIALS, _THREADS):
+    tile_m = threads * (128 // dtype.width) // k_block
+    if not FlashAttentionForwardCombine.can_implement(dtype, dtype, dv, tile_m, k_block, LOG_MAX_PARTIALS, threads):
         raise NotImplementedError(f"the combine kernel cannot run {spec.short_name()}")
     # num_head only sizes the varlen scheduler's packing; the batched layout used here does not read it
     kernel = FlashAttentionForwardCombine(dtype, dtype, dv, 1, tile_m=tile_m, k_block_size=k_block,
-                                          log_max_splits=LOG_MAX_PARTIALS, num_threads=_THREADS)
+                                          log_max_splits=LOG_MAX_PARTIALS, num_threads=threads, stages=stages)
     sym = cute.sym_int
     p, b, n, h = sym(), sym(), sym(), sym()
     div = 128 // dtype.width
