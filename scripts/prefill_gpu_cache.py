@@ -150,6 +150,8 @@ def specs(recorded=None, fuzz=False):
     out += [s if s.causal else split_launch_spec(s) for s in mapped]  # torch's paged split route reads pages of
     # several key tiles as pages of one: its split launches (on the decode tile where the core has one) and tail
     out += [split_launch_spec(s) for s in out if isinstance(s, KernelSpec) and split_launch_spec(s) is not s]
+    out += [split_launch_spec(s, shared_q=True) for s in out  # torch's contiguous split launch: q as it is
+            if isinstance(s, KernelSpec) and type(s) is KernelSpec and s.varlen and not s.causal]
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

@@ -6,8 +6,10 @@ process (an illegal address ends a CUDA context) with CUDA_LAUNCH_BLOCKING=1.
     python benchmarks/tools/split_kv_probe.py kernels  # CUDA time per kernel of one call (SPLIT_PROBE_SHAPES)
 
 ``kernels`` profiles the decode shapes ``SPLIT_PROBE_SHAPES`` (``d,hq,hkv,b,nq,nk,num_splits;...``, default the
-d512 B1 32k q_len 1 and 4 rows and d128 B1 8k) with torch.profiler: 20 eager calls after a warm-up, the
-CUDA time of every kernel per call, to see where a split call's time goes beside the split launch.
+d512 B1 32k q_len 1 and 4 rows and d128 B1 8k) with torch.profiler: 20 eager calls after a warm-up, the L2 cache
+flushed before each (a 256 MiB write, left out of the table), the CUDA time of every kernel per call, to see where a
+split call's time goes beside the split launch; ``SPLIT_PROBE_SDPA=1`` profiles torch SDPA's call of the same shape
+too (HF's ``[B, H, N, D]`` layout, ``enable_gqa``; at q_len 1 no mask), kernel by kernel.
 """
 
 import os
@@ -78,27 +80,35 @@ def kernels():
     from torch.profiler import ProfilerActivity, profile
 
     import xattn.torch as xt
+    import torch.nn.functional as F
+
     shapes = os.environ.get("SPLIT_PROBE_SHAPES", "512,32,4,1,1,32768,0;512,32,4,1,4,32768,0;128,32,8,1,1,8192,0")
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     for shape in shapes.split(";"):
         d, hq, hkv, b, nq, nk, splits = map(int, shape.split(","))
         q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        call = lambda: xt.attention(q, k, v, causal=True, num_splits=splits)  # noqa: E731
-        for _ in range(5):
-            call()
-        torch.cuda.synchronize()
-        calls = 20
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
+        impls = {"xattn": lambda: xt.attention(q, k, v, causal=True, num_splits=splits)}
+        if os.environ.get("SPLIT_PROBE_SDPA") == "1" and nq == 1:
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            impls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        for impl, call in impls.items():
+            for _ in range(5):
                 call()
             torch.cuda.synchronize()
-        rows = [(e.device_time_total / calls, e.count // calls, e.key) for e in prof.key_averages()
-                if e.device_time_total > 0]
-        print(f"== d{d} Hq{hq}/Hkv{hkv} B{b} Nq{nq} Nk{nk} num_splits={splits}: "
-              f"{sum(r[0] for r in rows):.1f} us of kernels per call", flush=True)
-        for us, n, name in sorted(rows, reverse=True):
-            print(f"  {us:8.1f} us  x{n}  {name[:110]}", flush=True)
-
+            calls = 20
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    flush.zero_()
+                    call()
+                torch.cuda.synchronize()
+            rows = [(e.device_time_total / calls, e.count // calls, e.key) for e in prof.key_averages()
+                    if e.device_time_total > 0 and e.count >= calls and "fill" not in e.key.lower()
+                    and "memset" not in e.key.lower()]
+            print(f"== {impl} d{d} Hq{hq}/Hkv{hkv} B{b} Nq{nq} Nk{nk} num_splits={splits}: "
+                  f"{sum(r[0] for r in rows):.1f} us of kernels per call", flush=True)
+            for us, n, name in sorted(rows, reverse=True):
+                print(f"  {us:8.1f} us  x{n}  {name[:110]}", flush=True)
 
 if __name__ == "__main__":
     steps = sys.argv[1:] or ["combine", "splits", "route"]

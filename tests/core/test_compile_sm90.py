@@ -77,7 +77,8 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True)),
     split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 1, varlen=True)),
     split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=64)),  # paged: TMA per 64-key page
-    split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 8, page_size=64, kv_heads_first=True)))]
+    split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 8, page_size=64, kv_heads_first=True)),
+    split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True), shared_q=True))]  # q as it is
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

@@ -130,7 +130,8 @@ def launcher_pool() -> list[KernelSpec]:
 
 def split_launchers() -> list:
     """The launchers the split-KV forward of the pool's entries (dense and packed) runs when the fuzz forces it:
-    the family's varlen forward (non-causal splits, with the decode tile where the core has one; causal tail), the
+    the family's varlen forward (non-causal splits, with the decode tile where the core has one, on q once per slot
+    (JAX) or on q as it is (torch, :func:`xattn.core.split_kv.shared_queries`); causal tail), the
     slot launch's dense non-causal forward (:func:`xattn.core.split_kv.slot_chunk`) and the combine
     (:mod:`xattn.core.split_kv`)."""
     import dataclasses
@@ -141,6 +142,7 @@ def split_launchers() -> list:
     for s in launcher_pool():
         if s.direction == "fwd" and not s.is_local:
             out += [split_launch_spec(dataclasses.replace(s, varlen=True, causal=c)) for c in (False, True)]
+            out.append(split_launch_spec(dataclasses.replace(s, varlen=True, causal=False), shared_q=True))
             if s.family in SLOT_FAMILIES:
                 out.append(dataclasses.replace(s, varlen=False, causal=False))
             out.append(CombineSpec(s.family, s.dtype, s.head_dim_v))

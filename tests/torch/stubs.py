@@ -62,6 +62,8 @@ def _stub_fwd():
             max_seqlen_k=None, stream=None):
         spec = plan[0]
         causal, window_size = _mask(spec)
+        if getattr(spec, "shared_q", False):
+            q = _shared_queries(q, cu_seqlens_q)
         if cu_seqlens_q is None:
             o, l_ = ref_attention(q, k, v, scale=softmax_scale, causal=causal, window=window_size)
         else:
@@ -82,6 +84,19 @@ def _stub_fwd():
             lse[:, :rows].copy_(l_[:, :rows])
         CALLS.append(("fwd", spec.family))
     return run
+
+
+def _shared_queries(q, cu_seqlens_q):
+    """The rows a split launch with ``shared_q`` reads (xattn.core.fa4_sm90._SharedQueries): document i's Nq queries
+    from row ``cu_q[i] * rows // (cu_q[-1] * Nq) * Nq`` of q's own rows, as one q per slot (what the route used to
+    copy)."""
+    cu, rows = cu_seqlens_q.tolist(), q.shape[0]
+    index = []
+    for a, b in zip(cu, cu[1:]):
+        if b > a:
+            start = a * rows // (cu[-1] * (b - a)) * (b - a)
+            index += range(start, start + b - a)
+    return q[torch.tensor(index, dtype=torch.long)]
 
 
 def _stub_bwd():

@@ -91,21 +91,54 @@ def test_the_slot_launch_is_ffpas_with_one_sequence_and_its_tail_in_place():
     assert split_kv.slot_chunk(split_kv.plan_splits(8, True, 4, None), "ffpa", 1, 4096, 4) == 0  # lengths per call
 
 
-@pytest.mark.parametrize("causal, nq", [(False, 1), (True, 4)])
-def test_fa4_d128_split_launch_runs_the_decode_tile(causal, nq, monkeypatch):
-    """The split launch of FA4 d128 is the core's decode tile (split_kv.SPLIT_TILES); the causal tail is not."""
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("b, causal, nq", [(2, False, 1), (2, True, 4), (1, True, 4), (3, True, 3), (1, False, 1)])
+def test_fa4_d128_split_launch_runs_the_decode_tile_on_q_as_it_is(layout, b, causal, nq, monkeypatch):
+    """The split launch of FA4 d128 is the core's decode tile (split_kv.SPLIT_TILES) reading q's own B*Nq rows for
+    every slot (shared_q: no copy of q per slot); the causal tail is FlashAttention's own tile."""
+    from xattn.core.split_kv import SplitFwdSpec
+    from xattn.torch import ops
+
+    seen, fwd = [], ops.LAUNCH["fwd"]
+    monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, q, *a, **kw: (seen.append((checked[0], q)),
+                                                                         fwd(checked, q, *a, **kw))[1])
+    q, k, v = _decode_inputs(b, nq, 8, 2, 900, 128, layout, seed=3 + b + nq)
+    out, lse = xt.attention_with_lse(q, k, v, causal=causal, family="fa4", num_splits=3)
+    tiled = [(s, q_launch) for s, q_launch in seen if isinstance(s, SplitFwdSpec)]
+    assert len(tiled) == 1 and (tiled[0][0].tile_m, tiled[0][0].tile_n) == (64, 64) and not tiled[0][0].causal
+    assert tiled[0][0].shared_q and tiled[0][1].shape == (b * nq, 8, 128) and tiled[0][1].data_ptr() == q.data_ptr()
+    assert len(seen) == 1 + (causal and nq > 1)  # the causal tail: FlashAttention's own tile
+    ref_out, ref_lse = ref_attention(q, k, v, scale=128 ** -0.5, causal=causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
+
+
+def test_fa4_d128_packed_decode_and_cache_seqlens_read_q_as_it_is(monkeypatch):
+    """The device-length split route (attention_with_kvcache's cache_seqlens, packed decode steps) on the shared-q
+    launch: one sequence of none, one of a key, odd lengths; the packed step with empty documents."""
     from xattn.core.split_kv import SplitFwdSpec
     from xattn.torch import ops
 
     specs, fwd = [], ops.LAUNCH["fwd"]
     monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, *a, **kw: (specs.append(checked[0]), fwd(checked, *a, **kw)))
-    q, k, v = _decode_inputs(2, nq, 8, 2, 900, 128, "contiguous", seed=3)
-    out, lse = xt.attention_with_lse(q, k, v, causal=causal, family="fa4", num_splits=3)
-    tiled = [s for s in specs if isinstance(s, SplitFwdSpec)]
-    assert len(tiled) == 1 and (tiled[0].tile_m, tiled[0].tile_n) == (64, 64) and not tiled[0].causal
-    assert len(specs) == 1 + (causal and nq > 1)  # the causal tail: FlashAttention's own tile
-    ref_out, _ = ref_attention(q, k, v, scale=128 ** -0.5, causal=causal)
-    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    q, k, v = _decode_inputs(4, 2, 8, 2, 700, 128, "contiguous", seed=9)
+    lengths = torch.tensor([700, 0, 1, 333], dtype=torch.int32)
+    out = xt.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, num_splits=4)
+    for i, n in enumerate(lengths.tolist()):
+        if n:
+            ref, _ = ref_attention(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], scale=128 ** -0.5, causal=True)
+            torch.testing.assert_close(out[i:i + 1], ref, atol=1e-6, rtol=1e-5)
+    lens_q, lens_k = [2, 0, 1, 3], [500, 9, 300, 700]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    qp = torch.randn(int(cu_q[-1]) + 2, 8, 128, generator=g, dtype=torch.float64)  # two trailing rows
+    kp, vp = (torch.randn(int(cu_k[-1]), 2, 128, generator=g, dtype=torch.float64) for _ in range(2))
+    out = xt.attention(qp, kp, vp, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3,
+                       max_seqlen_k=700, num_splits=4)
+    ref, _ = ref_varlen(qp, kp, vp, cu_q, cu_k, scale=128 ** -0.5, causal=True)
+    torch.testing.assert_close(out[:int(cu_q[-1])], ref[:int(cu_q[-1])], atol=1e-6, rtol=1e-5)
+    assert any(isinstance(s, SplitFwdSpec) and s.shared_q for s in specs)
 
 
 def test_auto_route_splits_a_long_cache_and_not_a_prefill():

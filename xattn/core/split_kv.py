@@ -58,7 +58,8 @@ from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 
 __all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
            "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_chunk", "SLOT_FAMILIES",
-           "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
+           "shared_queries", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES",
+           "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -268,10 +269,13 @@ class SplitFwdSpec(KernelSpec):
     """Compile key of FA4's split launch built with the decode tile ``tile_m x tile_n`` (:data:`SPLIT_TILES`;
     ``tile_m`` 64 or 128: one MMA warpgroup per 64 query rows): the varlen, non-causal, windowless forward it
     replaces in every other respect (the same launcher signature, buffers and pre-fills; :mod:`xattn.core.fa4_sm90`
-    builds both), or with ``page_size == tile_n`` the paged split launch's (:mod:`xattn.core.paged_sm90`)."""
+    builds both), or with ``page_size == tile_n`` the paged split launch's (:mod:`xattn.core.paged_sm90`). With
+    ``shared_q`` (contiguous only) the launch reads q ``[B*Nq, Hq, D]`` as it is: document ``(b, s)`` loads sequence
+    b's rows, so no copy of q per slot (:func:`shared_queries`)."""
 
     tile_m: int = 64
     tile_n: int = 64
+    shared_q: bool = False
 
     __hash__ = FieldsHashed.cached_hash
 
@@ -279,6 +283,8 @@ class SplitFwdSpec(KernelSpec):
         if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"SplitFwdSpec: tile_m 64 or 128 and tile_n a multiple of 16 in 16-256, got "
                              f"{self.tile_m}x{self.tile_n}")
+        if self.shared_q and not self.varlen:
+            raise ValueError("SplitFwdSpec: shared_q is the contiguous (varlen) split launch's")
         super().__post_init__()
 
     @property
@@ -287,17 +293,26 @@ class SplitFwdSpec(KernelSpec):
         return 128 * (self.tile_m // 64 + 1)
 
     def short_name(self) -> str:
-        return f"{super().short_name().removesuffix('_' + self.arch)}_t{self.tile_m}x{self.tile_n}_{self.arch}"
+        return (f"{super().short_name().removesuffix('_' + self.arch)}_t{self.tile_m}x{self.tile_n}"
+                f"{'_sq' * self.shared_q}_{self.arch}")
 
 
-def split_launch(checked: tuple) -> tuple:
+def shared_queries(family: str, head_dim: int, head_dim_v: int) -> bool:
+    """Whether the contiguous split launch of these head dims reads q without a copy per slot (``shared_q``: FA4 on its
+    decode tile). Its documents are the route's (:func:`split_cu_seqlens`: ``B * (P + 1)``, P slots of Nq queries
+    then one without), its q the call's own ``[B*Nq, Hq, D]`` rows; the other launches take q once per slot."""
+    return family == "fa4" and (head_dim, head_dim_v) in SPLIT_TILES
+
+
+def split_launch(checked: tuple, shared_q: bool = False) -> tuple:
     """``(spec, problem)`` of a split launch (the family's varlen non-causal forward) -> the same with the
-    decode tile's :class:`SplitFwdSpec` where :data:`SPLIT_TILES` names one for the spec's head dims."""
+    decode tile's :class:`SplitFwdSpec` where :data:`SPLIT_TILES` names one (``shared_q``: the one reading q
+    ``[B*Nq, Hq, D]`` as it is, where :func:`shared_queries` holds; ``problem`` is still the slot-copied call's)."""
     spec, problem = checked
-    return split_launch_spec(spec), problem
+    return split_launch_spec(spec, shared_q), problem
 
 
-def split_launch_spec(spec: KernelSpec) -> KernelSpec:
+def split_launch_spec(spec: KernelSpec, shared_q: bool = False) -> KernelSpec:
     """:func:`split_launch` on the spec alone; also the paged split launch's (dense queries, pages of exactly
     ``tile_n`` rows, read by TMA: :func:`xattn.core.paged.tma_page_rows` views larger pages as such)."""
     tile = SPLIT_TILES.get((spec.head_dim, spec.head_dim_v))
@@ -306,10 +321,10 @@ def split_launch_spec(spec: KernelSpec) -> KernelSpec:
     if (tile is None or spec.family != "fa4" or type(spec) is not KernelSpec or spec.direction != "fwd"
             or spec.causal or spec.is_local or not (contiguous or paged)):
         return spec
-    return _tiled(spec, tile)
+    return _tiled(spec, tile, shared_q and contiguous)
 
 
 @functools.lru_cache(maxsize=512)  # a paged decode step asks on every call: each key is built once
-def _tiled(spec: KernelSpec, tile: tuple[int, int]) -> SplitFwdSpec:
+def _tiled(spec: KernelSpec, tile: tuple[int, int], shared_q: bool = False) -> SplitFwdSpec:
     fields = {f: getattr(spec, f) for f in KernelSpec.__dataclass_fields__}
-    return SplitFwdSpec(**fields, tile_m=tile[0], tile_n=tile[1])
+    return SplitFwdSpec(**fields, tile_m=tile[0], tile_n=tile[1], shared_q=shared_q)

@@ -2,7 +2,8 @@
 FlashAttention's combine kernel. How and why: :mod:`xattn.core.split_kv` (glossary there); when:
 :func:`xattn.core.routes.forward_route`.
 
-Buffers of one call: ``q_split [B*P*Nq, Hq, D]`` (q once per slot), ``out_partial [B*P*Nq, Hq, Dv]`` (0) and
+Buffers of one call: ``q_split [B*P*Nq, Hq, D]`` (q once per slot; FA4's decode tile reads q's own ``[B*Nq]`` rows
+instead, :func:`xattn.core.split_kv.shared_queries`), ``out_partial [B*P*Nq, Hq, Dv]`` (0) and
 ``lse_partial [Hq, B*P*Nq]`` (-inf); with a causal tail also ``[B*Nq, Hq, Dv]`` / ``[Hq, B*Nq]`` for the tail
 launch. The keys are read in place through a flat strided view of k and v (no copy of the cache).
 """
@@ -158,8 +159,11 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
             device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
     else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy, not ~30 kernels
         cu_q_d, tail_q_d, cu_k_d, tail_k_d = int32_lists(dev, cu_q, tail_q, cu_k, tail_k)
+    shared = split_kv.shared_queries(family, q.shape[-1], vf.shape[-1])
+    if shared:  # q_split is q's own B*Nq rows: validated as the slot-copied call (a zero-stride stand-in, no copy)
+        q_split = q_split.as_strided((cu_q[-1], *q_split.shape[1:]), (0, *q_split.stride()[1:]))
     checked = split_kv.split_launch(  # the decode tile where the core has one (split_kv.SPLIT_TILES)
-        ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k)))
+        ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k)), shared)
     tail_checked = None
     if plan.tail:
         tail_checked = ops._checked("fwd", family, q.reshape(b * nq, *q.shape[2:]), kf, vf, True, -1, -1, tail_q_d,
@@ -269,6 +273,14 @@ def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int
     return cu_k, torch.cat([ramp(0, 1, dev), torch.stack([base + full, base + n], dim=1).flatten()])
 
 
+def _split_queries(q: Tensor, family: str, dv: int, p: int) -> Tensor:
+    """The split launch's q: ``[B*Nq, Hq, D]`` as it is where the launch reads each sequence's rows for all its slots
+    (:func:`xattn.core.split_kv.shared_queries`), else q once per slot (:func:`_slots`)."""
+    if split_kv.shared_queries(family, q.shape[-1], dv):
+        return q.reshape(q.shape[0] * q.shape[1], *q.shape[2:])
+    return _slots(q, p)
+
+
 def _slots(q: Tensor, p: int) -> Tensor:
     """``q_split [B*P*Nq, Hq, D]``: q once per slot; a view where strides allow (B = Nq = 1: row stride 0),
     else one broadcast copy, moved as 8-byte words where q's rows allow (the generic broadcast copy moves
@@ -339,7 +351,7 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     dv = vf.shape[-1]
     p = plan.partials
     in_place = plan.tail_in_place(b)
-    q_split = _slots(q, plan.splits if in_place else p)
+    q_split = _split_queries(q, family, dv, plan.splits if in_place else p)
     setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
     # a partial row no launch writes (FFPA skips it) reads lse -inf, so the combine skips it: its out is never read
     out_p = torch.empty((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
@@ -428,7 +440,7 @@ def _split_device(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tenso
         q_d = q.index_select(0, gathers[1]).view(b, nq, hq, d)
         out_d = out_all[:rows_d].view(b, nq, hq, dv)
         lse_d = lse_rows[:, :rows_d].view(hq, b, nq).permute(1, 0, 2)
-    q_split = _slots(q_d, p)
+    q_split = _split_queries(q_d, family, dv, p)
     setup = _setup(plan, family, q_split, q_d, kf, vf, max(rows, 0), nk)
     setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=kf.shape[0], tail_max_k=kf.shape[0])
     out_p = torch.empty((rows_d * p, hq, dv), dtype=q.dtype, device=dev)
@@ -459,7 +471,7 @@ def _launches(plan: SplitPlan, setup: _Setup, q: Tensor, q_split: Tensor, kf: Te
             ops.LAUNCH["fwd"](setup.tail_checked, q.reshape(b * nq, hq, d), kf, vf, out_t, lse_t,
                               softmax_scale=scale, cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k,
                               max_seqlen_q=nq, max_seqlen_k=setup.tail_max_k)
-    rows_s = q_split.shape[0]
+    rows_s = b * (p - int(in_place)) * nq  # the split launch's query rows (the tail's in place after them)
     if rows_s != out_p.shape[0]:  # the tail's rows in place after the splits' (no slices otherwise: host time)
         out_s, lse_s = out_p[:rows_s], lse_p[:, :rows_s]
     else:
