@@ -40,8 +40,11 @@ def split_spec(layer: str):
     from xattn.core.spec import KernelSpec
     from xattn.core.split_kv import split_launch_spec
 
+    from xattn.core.split_kv import shared_queries
+
     family, hq, hkv, d = LAYERS[layer]
-    return split_launch_spec(KernelSpec(family, "fwd", "bfloat16", d, d, hq // hkv, causal=False, varlen=True))
+    return split_launch_spec(KernelSpec(family, "fwd", "bfloat16", d, d, hq // hkv, causal=False, varlen=True),
+                             shared_q=shared_queries(family, d, d))  # the torch route's: q as it is where it can
 
 
 def _triggered(cls):
@@ -68,13 +71,20 @@ def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2, trigger: bool
 
     cfg = fa4_sm90._tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
     g = spec.qhead_per_kvhead
-    cls = _triggered(FlashAttentionForwardSm90) if trigger else FlashAttentionForwardSm90
+    base = fa4_sm90._SharedQueries if getattr(spec, "shared_q", False) else FlashAttentionForwardSm90
+    cls = _triggered(base) if trigger else base
     kernel = cls(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, g, is_causal=spec.causal, is_local=spec.is_local,
         pack_gqa=g > 1, tile_m=tile_m, tile_n=tile_n, num_stages=stages, num_threads=128 * (tile_m // 64 + 1),
         Q_in_regs=False, intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
     dims = Dims(spec)
-    return compile_launcher(fa4_sm90._VarlenFwd(kernel, spec), (*dims.qkv(), *dims.cu_seqlens(), *dims.out_lse()))
+    q, k, v = dims.qkv()
+    if getattr(spec, "shared_q", False):  # q's own rows, as fa4_sm90.compile_fa4 builds it
+        from quack.compile_utils import make_fake_tensor
+        import cutlass.cute as cute
+
+        q = make_fake_tensor(dims.dtype, (cute.sym_int(), dims.hq, spec.head_dim), divisibility=dims.div)
+    return compile_launcher(fa4_sm90._VarlenFwd(kernel, spec), (q, k, v, *dims.cu_seqlens(), *dims.out_lse()))
 
 
 def _split_variant(text: str, spec) -> tuple[int, int, int, bool] | None:

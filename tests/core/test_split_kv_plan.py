@@ -139,6 +139,31 @@ def test_fa4_d128_split_launch_takes_the_decode_tile_and_nothing_else_does():
         assert tiled_paged.short_name().endswith("_t64x64_sm_90a") and tiled_paged != paged
 
 
+def test_the_contiguous_decode_tile_reads_q_as_it_is_only_when_asked():
+    """shared_q: torch's contiguous FA4 d128 split launch (its own key and entry); JAX's and the paged one keep q
+    once per slot; a paged or dense key cannot take it."""
+    import dataclasses
+
+    from xattn.core import disk_cache
+    from xattn.core.spec import KernelSpec
+
+    base = KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True)
+    shared, copied = split_kv.split_launch_spec(base, shared_q=True), split_kv.split_launch_spec(base)
+    assert shared.shared_q and not copied.shared_q and shared != copied
+    assert shared.short_name() == "fa4_fwd_bfloat16_d128x128_g4_full_varlen_t64x64_sq_sm_90a"
+    assert disk_cache.entry_stem(shared) != disk_cache.entry_stem(copied)
+    assert split_kv.split_launch((base, "problem"), True) == (shared, "problem")
+    paged = dataclasses.replace(base, varlen=False, page_size=64)
+    assert not split_kv.split_launch_spec(paged, shared_q=True).shared_q
+    assert split_kv.split_launch_spec(dataclasses.replace(base, head_dim=256, head_dim_v=256), True).__class__ is \
+        KernelSpec
+    assert split_kv.shared_queries("fa4", 128, 128) and not split_kv.shared_queries("fa4", 256, 256)
+    assert not split_kv.shared_queries("ffpa", 512, 512)
+    fields = {f: getattr(paged, f) for f in KernelSpec.__dataclass_fields__}
+    with pytest.raises(ValueError, match="shared_q"):
+        split_kv.SplitFwdSpec(**fields, shared_q=True)
+
+
 @pytest.mark.parametrize("tile", [(32, 64), (192, 64), (64, 8), (64, 72), (64, 512)])
 def test_a_decode_tile_the_kernel_cannot_take_is_refused_when_its_key_is_made(tile):
     from xattn.core.spec import KernelSpec

@@ -30,6 +30,11 @@ def _decode(b, nq, hq, hkv, nk, d, layout, seed, dtype=torch.bfloat16):
     pytest.param(128, 1, 1, 32, 8, 20000, True, id="d128-B1-g4"),
     pytest.param(128, 4, 3, 32, 8, 6000, True, id="d128-B4-q3-tail"),
     pytest.param(256, 2, 1, 32, 16, 7001, False, id="d256-B2-g2"),
+    # FA4 d128's split launch reads q as it is (shared_q): sequences of one and several queries, tails copied in
+    pytest.param(128, 8, 1, 32, 8, 8192, True, id="d128-B8-g4-shared-q"),
+    pytest.param(128, 3, 2, 16, 8, 5001, False, id="d128-B3-q2-g2-shared-q"),
+    pytest.param(128, 5, 16, 8, 8, 3000, True, id="d128-B5-q16-g1-tail-shared-q"),
+    pytest.param(128, 2, 8, 64, 8, 4100, True, id="d128-B2-q8-g8-tail-shared-q"),
 ])
 def test_split_kv_vs_fp64_and_fused(layout, d, b, nq, hq, hkv, nk, causal):
     q, k, v = _decode(b, nq, hq, hkv, nk, d, layout, seed=nk + d)
