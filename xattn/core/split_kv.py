@@ -11,10 +11,11 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
 
 1. **splits**: the family's varlen forward, non-causal, over ``B * (P + 1)`` documents. Document
    ``(b, s)``, ``s < P``, holds the Nq queries of sequence b (``q_split [B*P*Nq, Hq, D]``, q copied once
-   per slot; FA4's decode tile reads q's own ``[B*Nq]`` rows instead, :func:`shared_queries`) and keys ``[b R + lo_s, b R + hi_s)`` of the flat view ``[R (B-1) + Nk, Hkv, D]``
-   (:func:`split_bounds`); the tail slot of a causal plan has no key here. Document ``(b, P)`` has no
-   query and covers the rows up to sequence b + 1, so ``cu_seqlens_k`` never decreases. Writes
-   ``out_partial [B*P*Nq, Hq, Dv]`` (pre-filled 0) and ``lse_partial [Hq, B*P*Nq]`` (pre-filled -inf).
+   per slot; FA4's decode tile reads q's own ``[B*Nq]`` rows instead, :func:`shared_queries`) and keys
+   ``[b R + lo_s, b R + hi_s)`` of the flat view ``[R (B-1) + Nk, Hkv, D]`` (:func:`split_bounds`); the tail
+   slot of a causal plan has no key here. Document ``(b, P)`` has no query and covers the rows up to sequence
+   b + 1, so ``cu_seqlens_k`` never decreases. Writes ``out_partial [B*P*Nq, Hq, Dv]`` (pre-filled 0) and
+   ``lse_partial [Hq, B*P*Nq]`` (pre-filled -inf).
 2. **causal tail** (``causal`` and Nq > 1 only): query i of Nq sees key p iff p <= L - Nq + i, so every
    key before ``L - min(L, Nq)`` is seen by all queries (the splits, non-causal) and the last
    ``min(L, Nq)`` keys are the tail: a causal varlen forward of the Nq queries on them, written into slot
