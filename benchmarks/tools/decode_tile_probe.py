@@ -71,7 +71,10 @@ def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2, trigger: bool
 
     cfg = fa4_sm90._tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
     g = spec.qhead_per_kvhead
-    base = fa4_sm90._SharedQueries if getattr(spec, "shared_q", False) else FlashAttentionForwardSm90
+    from xattn.core import split_q_sm90
+
+    shared = getattr(spec, "shared_q", False)
+    base = split_q_sm90.SharedQueryForwardSm90 if shared else FlashAttentionForwardSm90
     cls = _triggered(base) if trigger else base
     kernel = cls(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, g, is_causal=spec.causal, is_local=spec.is_local,
@@ -79,12 +82,15 @@ def compile_split(spec, tile_m: int, tile_n: int, stages: int = 2, trigger: bool
         Q_in_regs=False, intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
     dims = Dims(spec)
     q, k, v = dims.qkv()
-    if getattr(spec, "shared_q", False):  # q's own rows, as fa4_sm90.compile_fa4 builds it
+    if shared:  # q's own rows, as split_q_sm90.compile_shared_q builds it
         from quack.compile_utils import make_fake_tensor
         import cutlass.cute as cute
 
         q = make_fake_tensor(dims.dtype, (cute.sym_int(), dims.hq, spec.head_dim), divisibility=dims.div)
-    return compile_launcher(fa4_sm90._VarlenFwd(kernel, spec), (q, k, v, *dims.cu_seqlens(), *dims.out_lse()))
+        launcher = split_q_sm90._SharedVarlenFwd(kernel)
+    else:
+        launcher = fa4_sm90._VarlenFwd(kernel, spec)
+    return compile_launcher(launcher, (q, k, v, *dims.cu_seqlens(), *dims.out_lse()))
 
 
 def _split_variant(text: str, spec) -> tuple[int, int, int, bool] | None:

@@ -87,14 +87,16 @@ def _stub_fwd():
 
 
 def _shared_queries(q, cu_seqlens_q):
-    """The rows a split launch with ``shared_q`` reads (xattn.core.fa4_sm90._SharedQueries): document i's Nq queries
-    from row ``cu_q[i] * rows // (cu_q[-1] * Nq) * Nq`` of q's own rows, as one q per slot (what the route used to
-    copy)."""
-    cu, rows = cu_seqlens_q.tolist(), q.shape[0]
+    """The rows a split launch with ``shared_q`` reads (xattn.core.split_q_sm90): document i's Nq queries from row
+    ``cu_q[i] // (cu_q[-1] // B) * Nq`` of q's own rows, ``B = documents - cu_q[-1] // Nq``; as one q per slot (what
+    the route used to copy)."""
+    cu = cu_seqlens_q.tolist()
     index = []
     for a, b in zip(cu, cu[1:]):
         if b > a:
-            start = a * rows // (cu[-1] * (b - a)) * (b - a)
+            seqs = (len(cu) - 1) - cu[-1] // (b - a)
+            start = a // (cu[-1] // seqs) * (b - a)
+            assert start + b - a <= q.shape[0], "the shared-q launch would read past q"
             index += range(start, start + b - a)
     return q[torch.tensor(index, dtype=torch.long)]
 

@@ -19,7 +19,7 @@ from . import disk_cache
 from .device import cuda_gpus
 from .spec import KernelSpec, supports
 from .paged import PagedMetaSpec
-from .split_kv import CombineSpec, SplitMetaSpec
+from .split_kv import CombineSpec, SplitFwdSpec, SplitMetaSpec
 
 __all__ = ["Launcher", "get_launcher", "cached_specs", "clear", "set_compiler"]
 
@@ -56,6 +56,9 @@ def _default_compiler(spec: KernelSpec):
     if isinstance(spec, SplitMetaSpec):  # the contiguous split route's index kernel (xattn.core.split_kv)
         from .split_meta_sm90 import compile_split_meta
         return compile_split_meta(spec)
+    if isinstance(spec, SplitFwdSpec) and spec.shared_q:  # FA4's split launch on q as it is (xattn.core.split_kv)
+        from .split_q_sm90 import compile_shared_q
+        return compile_shared_q(spec)
     if not isinstance(spec, KernelSpec):  # a GEMM of the chunked backward (xattn.core.gemm_sm90.GemmSpec)
         from .gemm_sm90 import compile_gemm
         return compile_gemm(spec)

@@ -19,22 +19,18 @@ Workspace: ``dq_accum``/``dpsum``/``lse_log2`` are written by the preprocess ker
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-
 from .device import prepare_dsl_environment
 
 prepare_dsl_environment()  # before cutlass reads its environment (CPU-only machines: sm_90a)
 
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, Int64  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
 from flash_attn.cute.flash_bwd_postprocess import FlashAttentionBackwardPostprocess  # noqa: E402
 from flash_attn.cute.flash_bwd_preprocess import FlashAttentionBackwardPreprocess  # noqa: E402
 from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 from flash_attn.cute.interface import _tile_size_bwd_sm90, _tile_size_fwd_sm90  # noqa: E402
 from flash_attn.cute.utils import AuxData  # noqa: E402
-from quack.compile_utils import make_fake_tensor  # noqa: E402
 
 from .spec import KernelSpec  # noqa: E402
 from .split_kv import SplitFwdSpec  # noqa: E402
@@ -148,37 +144,12 @@ class _VarlenBwdGqa(_Bwd):
                   mdPsum, mLSElog2, mdKaccum, mdVaccum, softmax_scale, stream)
 
 
-_SEQLEN_ARG = list(inspect.signature(FlashAttentionForwardSm90.load).parameters).index("SeqlenInfoCls") - 1
-
-
-class _SharedQueries(FlashAttentionForwardSm90):
-    """The split launch that reads q ``[B*Nq, Hq, D]`` as it is (``SplitFwdSpec.shared_q``): the launch's document
-    ``i = (b, s)`` (out rows ``cu_q[i]..``, ``B * P * Nq`` in all, :func:`~xattn.core.split_kv.split_cu_seqlens`)
-    loads its Nq query rows from ``b * Nq``, ``b = cu_q[i] // (P Nq)`` with ``P Nq = cu_q[-1] * Nq / (B Nq)``. Only
-    the producer's q offset changes; out, lse and the keys keep the document's own."""
-
-    def load(self, *args, **kwargs):
-        args = list(args)
-        own = args[_SEQLEN_ARG]  # functools.partial(SeqlenInfoQK.create, ...) built by the kernel
-
-        def shared(batch_idx):
-            info = own(batch_idx)
-            cu_q, q_rows = own.keywords["mCuSeqlensQ"], own.keywords["seqlen_q_static"]
-            total = cu_q[cu_q.shape[0] - 1]
-            seq = (Int64(info.offset_q) * Int64(q_rows)) // (Int64(total) * Int64(info.seqlen_q))
-            return dataclasses.replace(info, offset_q=Int32(seq) * info.seqlen_q)
-
-        args[_SEQLEN_ARG] = shared
-        return FlashAttentionForwardSm90.load(self, *args, **kwargs)
-
-
 def _fwd_kernel(spec: KernelSpec):
     cfg = _tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
     tile_m, tile_n, threads = cfg.m_block_size, cfg.n_block_size, 384
     if isinstance(spec, SplitFwdSpec):  # the split launch's decode tile (checked when the key was made)
         tile_m, tile_n, threads = spec.tile_m, spec.tile_n, spec.num_threads
-    cls = _SharedQueries if isinstance(spec, SplitFwdSpec) and spec.shared_q else FlashAttentionForwardSm90
-    return cls(
+    return FlashAttentionForwardSm90(
         CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
         is_causal=spec.causal, is_local=spec.is_local, pack_gqa=spec.qhead_per_kvhead > 1,
         tile_m=tile_m, tile_n=tile_n, num_stages=2, num_threads=threads,
@@ -217,8 +188,6 @@ def compile_fa4(spec: KernelSpec):
     out, lse = dims.out_lse()
     if spec.direction == "fwd":
         kernel = _fwd_kernel(spec)
-        if isinstance(spec, SplitFwdSpec) and spec.shared_q:  # q's rows: B*Nq, not out's B*P*Nq
-            q = make_fake_tensor(dims.dtype, (cute.sym_int(), dims.hq, spec.head_dim), divisibility=dims.div)
         if spec.varlen:
             return compile_launcher(_VarlenFwd(kernel, spec), (q, k, v, *dims.cu_seqlens(), out, lse))
         return compile_launcher(_DenseFwd(kernel, spec), (q, k, v, out, lse))
