@@ -124,7 +124,7 @@ def _source_fingerprint() -> str:
 # Launchers built by a module of their own: its source joins their key (a GemmSpec carries its sources' digest).
 _KIND_SOURCES = {"paged": ("paged_sm90.py",), "CombineSpec": ("combine_sm90.py", "split_kv.py"),
                  "PagedMetaSpec": ("paged_meta_sm90.py",),
-                 "SplitMetaSpec": ("split_meta_sm90.py", "paged_meta_sm90.py"), "SplitFwdSpec": ("split_q_sm90.py",)}
+                 "SplitMetaSpec": ("split_meta_sm90.py", "paged_meta_sm90.py")}
 
 
 @functools.cache
