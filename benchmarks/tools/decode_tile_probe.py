@@ -44,7 +44,7 @@ def split_spec(layer: str):
 
     family, hq, hkv, d = LAYERS[layer]
     return split_launch_spec(KernelSpec(family, "fwd", "bfloat16", d, d, hq // hkv, causal=False, varlen=True),
-                             shared_q=shared_queries(family, d, d))  # the torch route's: q as it is where it can
+                             shared_q=shared_queries(family, d, d, hq // hkv))  # the torch route's
 
 
 def _triggered(cls):

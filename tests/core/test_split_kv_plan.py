@@ -157,8 +157,11 @@ def test_the_contiguous_decode_tile_reads_q_as_it_is_only_when_asked():
     assert not split_kv.split_launch_spec(paged, shared_q=True).shared_q
     assert split_kv.split_launch_spec(dataclasses.replace(base, head_dim=256, head_dim_v=256), True).__class__ is \
         KernelSpec
-    assert split_kv.shared_queries("fa4", 128, 128) and not split_kv.shared_queries("fa4", 256, 256)
-    assert not split_kv.shared_queries("ffpa", 512, 512)
+    assert split_kv.shared_queries("fa4", 128, 128, 4) and not split_kv.shared_queries("fa4", 256, 256, 4)
+    assert not split_kv.shared_queries("ffpa", 512, 512, 8)
+    assert not split_kv.shared_queries("fa4", 128, 128, 1)  # an unpacked q: FlashAttention loads it by TMA only
+    g1 = KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 1, varlen=True)
+    assert not split_kv.split_launch_spec(g1, shared_q=True).shared_q
     fields = {f: getattr(paged, f) for f in KernelSpec.__dataclass_fields__}
     with pytest.raises(ValueError, match="shared_q"):
         split_kv.SplitFwdSpec(**fields, shared_q=True)

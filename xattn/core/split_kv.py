@@ -291,8 +291,8 @@ class SplitFwdSpec(KernelSpec):
         if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"SplitFwdSpec: tile_m 64 or 128 and tile_n a multiple of 16 in 16-256, got "
                              f"{self.tile_m}x{self.tile_n}")
-        if self.shared_q and not self.varlen:
-            raise ValueError("SplitFwdSpec: shared_q is the contiguous (varlen) split launch's")
+        if self.shared_q and (not self.varlen or self.qhead_per_kvhead < 2):
+            raise ValueError("SplitFwdSpec: shared_q is the contiguous (varlen) split launch's, with g > 1")
         super().__post_init__()
 
     @property
@@ -305,11 +305,13 @@ class SplitFwdSpec(KernelSpec):
                 f"{'_sq' * self.shared_q}_{self.arch}")
 
 
-def shared_queries(family: str, head_dim: int, head_dim_v: int) -> bool:
-    """Whether the contiguous split launch of these head dims reads q without a copy per slot (``shared_q``: FA4 on its
-    decode tile). Its documents are the route's (:func:`split_cu_seqlens`: ``B * (P + 1)``, P slots of Nq queries
-    then one without), its q the call's own ``[B*Nq, Hq, D]`` rows; the other launches take q once per slot."""
-    return family == "fa4" and (head_dim, head_dim_v) in SPLIT_TILES
+def shared_queries(family: str, head_dim: int, head_dim_v: int, g: int) -> bool:
+    """Whether the contiguous split launch of these head dims and GQA ratio ``g`` reads q without a copy per slot
+    (``shared_q``, :mod:`xattn.core.split_q_sm90`): FA4 on its decode tile with the group's heads packed into its
+    rows (FlashAttention loads an unpacked q by TMA only, whose reads past a document nothing would bound there).
+    The launch's documents are the route's (:func:`split_cu_seqlens`), its q the call's own ``[B*Nq, Hq, D]``; the
+    other launches take q once per slot."""
+    return family == "fa4" and (head_dim, head_dim_v) in SPLIT_TILES and g > 1
 
 
 def split_launch(checked: tuple, shared_q: bool = False) -> tuple:
@@ -329,7 +331,7 @@ def split_launch_spec(spec: KernelSpec, shared_q: bool = False) -> KernelSpec:
     if (tile is None or spec.family != "fa4" or type(spec) is not KernelSpec or spec.direction != "fwd"
             or spec.causal or spec.is_local or not (contiguous or paged)):
         return spec
-    return _tiled(spec, tile, shared_q and contiguous)
+    return _tiled(spec, tile, shared_q and contiguous and spec.qhead_per_kvhead > 1)
 
 
 @functools.lru_cache(maxsize=512)  # a paged decode step asks on every call: each key is built once

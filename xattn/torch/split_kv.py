@@ -159,7 +159,7 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
             device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
     else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy, not ~30 kernels
         cu_q_d, tail_q_d, cu_k_d, tail_k_d = int32_lists(dev, cu_q, tail_q, cu_k, tail_k)
-    shared = split_kv.shared_queries(family, q.shape[-1], vf.shape[-1])
+    shared = split_kv.shared_queries(family, q.shape[-1], vf.shape[-1], q.shape[-2] // kf.shape[-2])
     if shared:  # q_split is q's own B*Nq rows: validated as the slot-copied call (a zero-stride stand-in, no copy)
         q_split = q_split.as_strided((cu_q[-1], *q_split.shape[1:]), (0, *q_split.stride()[1:]))
     checked = split_kv.split_launch(  # the decode tile where the core has one (split_kv.SPLIT_TILES)
@@ -273,10 +273,10 @@ def device_cu_seqlens_k(plan: SplitPlan, seqlen_q: int, rows: int, key_rows: int
     return cu_k, torch.cat([ramp(0, 1, dev), torch.stack([base + full, base + n], dim=1).flatten()])
 
 
-def _split_queries(q: Tensor, family: str, dv: int, p: int) -> Tensor:
+def _split_queries(q: Tensor, family: str, kf: Tensor, dv: int, p: int) -> Tensor:
     """The split launch's q: ``[B*Nq, Hq, D]`` as it is where the launch reads each sequence's rows for all its slots
     (:func:`xattn.core.split_kv.shared_queries`), else q once per slot (:func:`_slots`)."""
-    if split_kv.shared_queries(family, q.shape[-1], dv):
+    if split_kv.shared_queries(family, q.shape[-1], dv, q.shape[-2] // kf.shape[-2]):
         return q.reshape(q.shape[0] * q.shape[1], *q.shape[2:])
     return _slots(q, p)
 
@@ -351,7 +351,7 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     dv = vf.shape[-1]
     p = plan.partials
     in_place = plan.tail_in_place(b)
-    q_split = _split_queries(q, family, dv, plan.splits if in_place else p)
+    q_split = _split_queries(q, family, kf, dv, plan.splits if in_place else p)
     setup = _setup(plan, family, q_split, q, kf, vf, rows, nk)
     # a partial row no launch writes (FFPA skips it) reads lse -inf, so the combine skips it: its out is never read
     out_p = torch.empty((b * p * nq, hq, dv), dtype=q.dtype, device=q.device)
@@ -440,7 +440,7 @@ def _split_device(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tenso
         q_d = q.index_select(0, gathers[1]).view(b, nq, hq, d)
         out_d = out_all[:rows_d].view(b, nq, hq, dv)
         lse_d = lse_rows[:, :rows_d].view(hq, b, nq).permute(1, 0, 2)
-    q_split = _split_queries(q_d, family, dv, p)
+    q_split = _split_queries(q_d, family, kf, dv, p)
     setup = _setup(plan, family, q_split, q_d, kf, vf, max(rows, 0), nk)
     setup = setup._replace(cu_k=cu_k, tail_k=tail_k, max_k=kf.shape[0], tail_max_k=kf.shape[0])
     out_p = torch.empty((rows_d * p, hq, dv), dtype=q.dtype, device=dev)
