@@ -230,15 +230,18 @@ class SplitMetaSpec(IndexSpec):
 
 
 @functools.cache
+def _module_digest(name: str) -> str:
+    return hashlib.sha256((Path(__file__).resolve().parent / name).read_bytes()).hexdigest()[:16]
+
+
 def shared_q_digest() -> str:
     """Digest of the shared-q split launcher's source (:mod:`xattn.core.split_q_sm90`; part of SplitFwdSpec's key)."""
-    return hashlib.sha256((Path(__file__).resolve().parent / "split_q_sm90.py").read_bytes()).hexdigest()[:16]
+    return _module_digest("split_q_sm90.py")
 
 
-@functools.cache
 def source_digest() -> str:
     """Digest of the combine launcher's source (part of its compile key)."""
-    return hashlib.sha256((Path(__file__).resolve().parent / "combine_sm90.py").read_bytes()).hexdigest()[:16]
+    return _module_digest("combine_sm90.py")
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ class SplitFwdSpec(KernelSpec):
     tile_m: int = 64
     tile_n: int = 64
     shared_q: bool = False
-    source: str = field(default_factory=lambda: shared_q_digest())  # split_q_sm90.py's: it builds the shared-q one
+    source: str = field(default_factory=shared_q_digest)  # split_q_sm90.py's: it builds the shared-q launch
 
     __hash__ = FieldsHashed.cached_hash
 
