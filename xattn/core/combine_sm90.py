@@ -1,89 +1,128 @@
-"""The combine launcher of the split-KV route: FlashAttention's ``FlashAttentionForwardCombine``
-(``flash_attn.cute.flash_fwd_combine``) compiled once per :class:`~xattn.core.split_kv.CombineSpec` with
-symbolic sizes and strides.
+"""The combine launcher of the split-KV route: one pass per output row, every partial of a chunk in flight at once.
 
 Launcher signature (glossary of :mod:`xattn.core.split_kv`; tensors are strided views)::
 
   out_partial [P, B, Nq, Hq, Dv] (dtype), lse_partial [P, B, Nq, Hq] f32 (Nq stride 1),
   out [B, Nq, Hq, Dv] (dtype), lse [B, Nq, Hq] f32 (Nq stride 1)
 
-Every element of out and lse is written; P <= :data:`~xattn.core.split_kv.MAX_PARTIALS`.
+Writes every element of out and lse: ``lse = log(sum_s exp(lse_s))``, ``out = sum_s exp(lse_s - lse) out_s``; a
+row whose partials all hold lse -inf gets out 0 and lse -inf (a partial with lse -inf is never read into out).
+P <= :data:`~xattn.core.split_kv.MAX_PARTIALS`.
 
-With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it
-in the stream (the split launch) drains, and waits on ``griddepcontrol`` before it reads the partials (the
-kernel's own first step); FlashAttention launches it without.
+Each thread owns 8 consecutive Dv elements (16 bytes) of one row (b, n, h) and loads them from :data:`CHUNK`
+partials at once, with their lse, before it merges them (an online softmax across chunks): at P <= CHUNK the merge
+costs one round trip to memory. FlashAttention's ``FlashAttentionForwardCombine`` (which this replaces) stages the
+lse through shared memory first, then streams the partials with 3 in flight per CTA: at a decode step's 16 splits
+its chain of dependent loads was most of its 3.3 us (docs/benchmarks.md, "A one-pass combine").
+
+With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it in
+the stream (the split launch) drains, and waits on ``griddepcontrol`` before it reads a partial.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 
 from .symbolic import CUTE_DTYPES, compile_launcher  # noqa: F401  (pins the DSL arch first)
 
+import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
-from flash_attn.cute.flash_fwd_combine import FlashAttentionForwardCombine  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
-from .split_kv import LOG_MAX_PARTIALS, CombineSpec  # noqa: E402
+from .split_kv import CombineSpec  # noqa: E402
 
-__all__ = ["compile_combine"]
+__all__ = ["compile_combine", "CHUNK", "VECTOR", "PDL"]
 
-_THREADS = 256  # the combine kernel's thread count
-_STAGES = 4  # partial O tiles in flight per CTA (FlashAttention's default)
+VECTOR = 8  # Dv elements per thread (16 bytes of a 16-bit dtype)
+CHUNK = 16  # partials loaded at once per thread (a decode step's usual split count)
+_THREADS = 128  # about this many threads per CTA: whole rows of Dv / 8 threads each
+_LOG2_E = math.log2(math.e)
 
 
-class _Combine:
-    def __init__(self, kernel):
-        self.kernel = kernel
+class _Merge:
+    def __init__(self, dtype, head_dim_v: int, pdl: bool):
+        if head_dim_v % VECTOR or not 0 < head_dim_v <= 1024 * VECTOR:
+            raise NotImplementedError(f"the combine kernel needs Dv a multiple of {VECTOR}, got {head_dim_v}")
+        self.dtype, self.dv, self.pdl = dtype, head_dim_v, pdl
+        self.lanes = head_dim_v // VECTOR  # threads per row
+        self.rows = max(_THREADS // self.lanes, 1)  # rows per CTA
+        self.threads = self.rows * self.lanes
 
     @cute.jit
-    def __call__(self, mO_partial: cute.Tensor, mLSE_partial: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 unused: Float32, stream):
-        self.kernel(mO_partial, mLSE_partial, mO, mLSE, None, None, None, None, None, stream)
+    def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, unused: Float32,
+                 stream):
+        rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
+        self.kernel(mOp, mLp, mO, mL).launch(grid=[cutlass.max(cute.ceil_div(rows, self.rows), 1), 1, 1],
+                                             block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nb, nq, nh = mO.shape[0], mO.shape[1], mO.shape[2]
+        parts = mOp.shape[0]
+        row = bidx * self.rows + tidx // self.lanes
+        lane = tidx % self.lanes
+        cute.arch.griddepcontrol_wait()  # (a no-op unless launched with PDL)
+        if row < nb * nq * nh:
+            h = row % nh
+            bn = row // nh
+            n = bn % nq
+            b = bn // nq
+            vec = cute.make_rmem_tensor((VECTOR,), self.dtype)
+            parts_o = cute.make_rmem_tensor((VECTOR, CHUNK), self.dtype)  # column-major: a partial's 8 contiguous
+            parts_lse = cute.make_rmem_tensor((CHUNK,), Float32)
+            acc = cute.make_rmem_tensor((VECTOR,), Float32)
+            acc.fill(0.0)
+            top = -Float32.inf  # the running max of the lse (log2 units)
+            total = Float32(0.0)  # sum of exp2(lse - top)
+            for c in cutlass.range(cute.ceil_div(parts, CHUNK), unroll=1):
+                for j in cutlass.range_constexpr(CHUNK):  # every load of the chunk first
+                    s = c * CHUNK + j
+                    parts_lse[j] = -Float32.inf
+                    if s < parts:
+                        parts_lse[j] = mLp[s, b, n, h] * _LOG2_E
+                        src = cute.tiled_divide(mOp[s, b, n, h, None], (VECTOR,))[None, lane]
+                        cute.autovec_copy(src, parts_o[None, j])
+                chunk_top = parts_lse[0]
+                for j in cutlass.range_constexpr(1, CHUNK):
+                    chunk_top = cutlass.max(chunk_top, parts_lse[j])
+                new_top = cutlass.max(top, chunk_top)
+                if new_top != -Float32.inf:
+                    keep = cute.math.exp2(top - new_top, fastmath=True)  # 0 while top is -inf
+                    total = total * keep
+                    for i in cutlass.range_constexpr(VECTOR):
+                        acc[i] = acc[i] * keep
+                    for j in cutlass.range_constexpr(CHUNK):
+                        if parts_lse[j] != -Float32.inf:
+                            w = cute.math.exp2(parts_lse[j] - new_top, fastmath=True)
+                            total = total + w
+                            for i in cutlass.range_constexpr(VECTOR):
+                                acc[i] = acc[i] + w * parts_o[i, j].to(Float32)
+                    top = new_top
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = 1.0 / total
+                lse = (top + cute.math.log2(total, fastmath=True)) / _LOG2_E
+            for i in cutlass.range_constexpr(VECTOR):
+                vec[i] = (acc[i] * inv).to(self.dtype)
+            dst = cute.tiled_divide(mO[b, n, h, None], (VECTOR,))[None, lane]
+            cute.autovec_copy(vec, dst)
+            if lane == 0:
+                mL[b, n, h] = lse
 
 
 PDL = False  # launch the combine with programmatic dependent launch (module docstring)
 
 
-@contextlib.contextmanager
-def launches_with_pdl():
-    """Every CuTeDSL kernel launch traced inside the block gets ``use_pdl=True`` (FlashAttention's combine
-    hard-codes its launch options; this sets the one it leaves out). The patch is process-wide while the block
-    runs: a compile on another thread at the same time would get PDL too, so use it only where PDL is meant for
-    everything compiled meanwhile (off by default: :data:`PDL`)."""
-    from cutlass.cutlass_dsl import cutlass as dsl
-
-    launch = dsl.KernelLauncher.launch
-
-    def with_pdl(self, *args, **kwargs):
-        kwargs.setdefault("use_pdl", True)
-        return launch(self, *args, **kwargs)
-
-    dsl.KernelLauncher.launch = with_pdl
-    try:
-        yield
-    finally:
-        dsl.KernelLauncher.launch = launch
-
-
-def compile_combine(spec: CombineSpec, pdl: bool | None = None, threads: int = _THREADS, stages: int = _STAGES):
+def compile_combine(spec: CombineSpec, pdl: bool | None = None):
     """Compile the combine launcher of ``spec`` (``pdl``: launch with programmatic dependent launch; default
-    :data:`PDL`; ``threads`` per CTA, ``stages`` partial tiles in flight: the shipped values unless a probe
-    names others); returns the compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher
-    ends with one float: the launch path passes the softmax scale)."""
+    :data:`PDL`); returns the compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher ends
+    with one float: the launch path passes the softmax scale)."""
     dtype = CUTE_DTYPES[spec.dtype]
     dv = spec.head_dim_v
-    # FlashAttention's head-dim block (64 for Dv <= 64, else 128). The row tile must match the copy's thread
-    # layout: 256 threads, each loading 16 bytes, cover 256 * (16 B / element) / k_block rows. FlashAttention's
-    # own 8/16 rows are right for its fp32 partials only; xattn's partials are 16-bit (the kernels' out dtype).
-    k_block = 64 if dv <= 64 else 128
-    tile_m = threads * (128 // dtype.width) // k_block
-    if not FlashAttentionForwardCombine.can_implement(dtype, dtype, dv, tile_m, k_block, LOG_MAX_PARTIALS, threads):
-        raise NotImplementedError(f"the combine kernel cannot run {spec.short_name()}")
-    # num_head only sizes the varlen scheduler's packing; the batched layout used here does not read it
-    kernel = FlashAttentionForwardCombine(dtype, dtype, dv, 1, tile_m=tile_m, k_block_size=k_block,
-                                          log_max_splits=LOG_MAX_PARTIALS, num_threads=threads, stages=stages)
     sym = cute.sym_int
     p, b, n, h = sym(), sym(), sym(), sym()
     div = 128 // dtype.width
@@ -91,5 +130,4 @@ def compile_combine(spec: CombineSpec, pdl: bool | None = None, threads: int = _
                make_fake_tensor(Float32, (p, b, n, h), divisibility=1, leading_dim=2),
                make_fake_tensor(dtype, (b, n, h, dv), divisibility=div),
                make_fake_tensor(Float32, (b, n, h), divisibility=1, leading_dim=1))
-    with launches_with_pdl() if (PDL if pdl is None else pdl) else contextlib.nullcontext():
-        return compile_launcher(_Combine(kernel), tensors)
+    return compile_launcher(_Merge(dtype, dv, PDL if pdl is None else pdl), tensors)
