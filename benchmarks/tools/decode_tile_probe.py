@@ -14,9 +14,9 @@ or a tile ``MxN`` / ``MxNsK`` (K pipeline stages for K and V, default FlashAtten
 forward (one MMA warpgroup per 64 rows; ``128x128`` is flash_attn's own d128 choice), ``+trig`` for a kernel whose
 threads call ``griddepcontrol.launch_dependents`` first (a PDL-launched combine may then start while the splits
 run; it waits on ``griddepcontrol.wait`` before it reads a partial). COMBINE: ``one`` (the shipped one-pass combine,
-:mod:`xattn.core.combine_sm90`) or FlashAttention's ``FlashAttentionForwardCombine`` as ``tTsS`` (T threads, S
-partial tiles in flight; ``t256s4`` was shipped before session 26), ``+pdl`` for a PDL launch. num_splits 0: the
-route's rule.
+:mod:`xattn.core.combine_sm90`; ``oneC``: C partials in flight a thread) or FlashAttention's
+``FlashAttentionForwardCombine`` as ``tTsS`` (T threads, S partial tiles in flight; ``t256s4`` was shipped before
+session 26), ``+pdl`` for a PDL launch. num_splits 0: the route's rule.
 ``--compile-only`` compiles the variants on a CPU (CUTE_DSL_ARCH=sm_90a) and exits.
 Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benchmarks/decode_attention.py.
 ``--timeline`` also profiles 50 replays of each graph (torch.profiler, L2 flushed before each) and prints where the
@@ -113,10 +113,10 @@ def _split_variant(text: str, spec) -> tuple[int, int, int, bool] | None:
 
 def _combine_variant(text: str) -> tuple[int, int, bool]:
     """``"t128s16+pdl"`` -> (128, 16, True): FlashAttention's combine, threads, stages, PDL; ``"one+pdl"`` -> (0, 0,
-    True): the shipped one-pass combine."""
+    True): the shipped one-pass combine; ``"one32"`` -> (0, 32, False): the same, 32 partials in flight a thread."""
     body, _, flag = text.partition("+")
-    if body == "one":
-        return 0, 0, flag == "pdl"
+    if body.startswith("one"):
+        return 0, int(body[3:] or 0), flag == "pdl"
     threads, stages = body.removeprefix("t").split("s")
     return int(threads), int(stages), flag == "pdl"
 
@@ -178,7 +178,7 @@ def main():
     args = ap.parse_args()
     family, hq, hkv, d = LAYERS[args.layer]
     from benchmarks.tools.flash_combine import compile_flash_combine
-    from xattn.core.combine_sm90 import compile_combine
+    from xattn.core.combine_sm90 import CHUNK, compile_combine
     from xattn.core.split_kv import CombineSpec
 
     spec, cspec = split_spec(args.layer), CombineSpec(family, "bfloat16", d)
@@ -194,7 +194,7 @@ def main():
             print(f"compiled split {split_text} in {time.perf_counter() - t0:.1f} s", flush=True)
         if cv not in combines_built:
             t0 = time.perf_counter()
-            combines_built[cv] = (compile_combine(cspec, pdl=cv[2]) if cv[0] == 0 else
+            combines_built[cv] = (compile_combine(cspec, pdl=cv[2], chunk=cv[1] or CHUNK) if cv[0] == 0 else
                                   compile_flash_combine(cspec, pdl=cv[2], threads=cv[0], stages=cv[1]))
             print(f"compiled combine {combine_text} in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.compile_only:

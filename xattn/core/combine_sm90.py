@@ -41,10 +41,10 @@ _LOG2_E = math.log2(math.e)
 
 
 class _Merge:
-    def __init__(self, dtype, head_dim_v: int, pdl: bool):
+    def __init__(self, dtype, head_dim_v: int, pdl: bool, chunk: int = CHUNK):
         if head_dim_v % VECTOR or not 0 < head_dim_v <= 1024 * VECTOR:
             raise NotImplementedError(f"the combine kernel needs Dv a multiple of {VECTOR}, got {head_dim_v}")
-        self.dtype, self.dv, self.pdl = dtype, head_dim_v, pdl
+        self.dtype, self.dv, self.pdl, self.chunk = dtype, head_dim_v, pdl, chunk
         self.lanes = head_dim_v // VECTOR  # threads per row
         self.rows = max(_THREADS // self.lanes, 1)  # rows per CTA
         self.threads = self.rows * self.lanes
@@ -71,22 +71,22 @@ class _Merge:
             n = bn % nq
             b = bn // nq
             vec = cute.make_rmem_tensor((VECTOR,), self.dtype)
-            parts_o = cute.make_rmem_tensor((VECTOR, CHUNK), self.dtype)  # column-major: a partial's 8 contiguous
-            parts_lse = cute.make_rmem_tensor((CHUNK,), Float32)
+            parts_o = cute.make_rmem_tensor((VECTOR, self.chunk), self.dtype)  # column-major: a partial's 8 contiguous
+            parts_lse = cute.make_rmem_tensor((self.chunk,), Float32)
             acc = cute.make_rmem_tensor((VECTOR,), Float32)
             acc.fill(0.0)
             top = -Float32.inf  # the running max of the lse (log2 units)
             total = Float32(0.0)  # sum of exp2(lse - top)
-            for c in cutlass.range(cute.ceil_div(parts, CHUNK), unroll=1):
-                for j in cutlass.range_constexpr(CHUNK):  # every load of the chunk first
-                    s = c * CHUNK + j
+            for c in cutlass.range(cute.ceil_div(parts, self.chunk), unroll=1):
+                for j in cutlass.range_constexpr(self.chunk):  # every load of the chunk first
+                    s = c * self.chunk + j
                     parts_lse[j] = -Float32.inf
                     if s < parts:
                         parts_lse[j] = mLp[s, b, n, h] * _LOG2_E
                         src = cute.tiled_divide(mOp[s, b, n, h, None], (VECTOR,))[None, lane]
                         cute.autovec_copy(src, parts_o[None, j])
                 chunk_top = parts_lse[0]
-                for j in cutlass.range_constexpr(1, CHUNK):
+                for j in cutlass.range_constexpr(1, self.chunk):
                     chunk_top = cutlass.max(chunk_top, parts_lse[j])
                 new_top = cutlass.max(top, chunk_top)
                 if new_top != -Float32.inf:
@@ -94,7 +94,7 @@ class _Merge:
                     total = total * keep
                     for i in cutlass.range_constexpr(VECTOR):
                         acc[i] = acc[i] * keep
-                    for j in cutlass.range_constexpr(CHUNK):
+                    for j in cutlass.range_constexpr(self.chunk):
                         if parts_lse[j] != -Float32.inf:
                             w = cute.math.exp2(parts_lse[j] - new_top, fastmath=True)
                             total = total + w
@@ -117,9 +117,10 @@ class _Merge:
 PDL = False  # launch the combine with programmatic dependent launch (module docstring)
 
 
-def compile_combine(spec: CombineSpec, pdl: bool | None = None):
+def compile_combine(spec: CombineSpec, pdl: bool | None = None, chunk: int = CHUNK):
     """Compile the combine launcher of ``spec`` (``pdl``: launch with programmatic dependent launch; default
-    :data:`PDL`); returns the compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher ends
+    :data:`PDL`; ``chunk`` partials in flight per thread: :data:`CHUNK` unless a probe names another); returns the
+    compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher ends
     with one float: the launch path passes the softmax scale)."""
     dtype = CUTE_DTYPES[spec.dtype]
     dv = spec.head_dim_v
@@ -130,4 +131,4 @@ def compile_combine(spec: CombineSpec, pdl: bool | None = None):
                make_fake_tensor(Float32, (p, b, n, h), divisibility=1, leading_dim=2),
                make_fake_tensor(dtype, (b, n, h, dv), divisibility=div),
                make_fake_tensor(Float32, (b, n, h), divisibility=1, leading_dim=1))
-    return compile_launcher(_Merge(dtype, dv, PDL if pdl is None else pdl), tensors)
+    return compile_launcher(_Merge(dtype, dv, PDL if pdl is None else pdl, chunk), tensors)
