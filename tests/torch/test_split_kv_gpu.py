@@ -134,24 +134,28 @@ def test_packed_split_kv_vs_fp64_and_fused(d, lens_q, lens_k, hq, hkv, causal, t
         (fused_lse[finite].double() - ref_lse[finite]).abs().max()
 
 
-def test_combine_never_reads_a_partial_of_lse_minus_inf():
+@pytest.mark.parametrize("p, dv, dtype", [(5, 512, torch.bfloat16), (16, 128, torch.bfloat16),
+                                          (17, 384, torch.bfloat16), (40, 256, torch.float16),
+                                          (127, 128, torch.bfloat16)])
+def test_combine_never_reads_a_partial_of_lse_minus_inf(p, dv, dtype):
     """The combine's contract the routes rely on (no out pre-fill for partials): a partial row of lse -inf is
-    skipped, whatever its out holds (NaN here); the rest merge by lse, against fp64."""
+    skipped, whatever its out holds (NaN here); the rest merge by lse, against fp64. P around the combine's chunk
+    of 16 partials a thread (one chunk, one past it, several; the most there are), Dv of whole and partial CTAs."""
     from xattn.core.split_kv import CombineSpec
     from xattn.torch import ops
 
-    g = torch.Generator(device="cuda").manual_seed(5)
-    p, b, nq, hq, dv = 5, 3, 2, 8, 512
-    out_p = torch.randn(p, b, nq, hq, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device="cuda").manual_seed(5 + p)
+    b, nq, hq = 3, 2, 8
+    out_p = torch.randn(p, b, nq, hq, dv, device="cuda", dtype=dtype, generator=g)
     lse_p = torch.randn(p, b, hq, nq, device="cuda", generator=g) * 3
     dead = torch.rand(p, b, hq, nq, device="cuda", generator=g) < 0.4
     dead[:, 0, 0] = True  # a row with no live partial: out 0, lse -inf
     lse_p[dead] = float("-inf")
     out_p.permute(0, 1, 3, 2, 4)[dead] = float("nan")
-    out = torch.empty(b, nq, hq, dv, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(b, nq, hq, dv, device="cuda", dtype=dtype)
     lse = torch.empty(b, hq, nq, device="cuda")
-    ops.LAUNCH["combine"](CombineSpec("ffpa", "bfloat16", dv), out_p, lse_p.permute(0, 1, 3, 2), out,
-                          lse.permute(0, 2, 1))
+    spec = CombineSpec("ffpa" if dv > 256 else "fa4", str(dtype).removeprefix("torch."), dv)
+    ops.LAUNCH["combine"](spec, out_p, lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
     total = torch.logsumexp(lse_p.double(), 0)
     w = torch.exp(lse_p.double() - total).nan_to_num(0.0).permute(0, 1, 3, 2)[..., None]  # [P, B, Nq, Hq, 1]
     ref = torch.where(w > 0, w * out_p.double(), 0.0).sum(0)
