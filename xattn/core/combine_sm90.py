@@ -75,7 +75,7 @@ class _Merge:
             parts_lse = cute.make_rmem_tensor((self.chunk,), Float32)
             acc = cute.make_rmem_tensor((VECTOR,), Float32)
             acc.fill(0.0)
-            top = -Float32.inf  # the running max of the lse (log2 units)
+            top = Float32(-math.inf)  # the running max of the lse (log2 units)
             total = Float32(0.0)  # sum of exp2(lse - top)
             for c in cutlass.range(cute.ceil_div(parts, self.chunk), unroll=1):
                 for j in cutlass.range_constexpr(self.chunk):  # every load of the chunk first
@@ -102,7 +102,7 @@ class _Merge:
                                 acc[i] = acc[i] + w * parts_o[i, j].to(Float32)
                     top = new_top
             inv = Float32(0.0)
-            lse = -Float32.inf
+            lse = Float32(-math.inf)
             if total > 0.0:
                 inv = 1.0 / total
                 lse = (top + cute.math.log2(total, fastmath=True)) / _LOG2_E
