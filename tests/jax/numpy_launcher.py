@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import tvm_ffi
 
+from tests.shared_queries import shared_query_rows
 from xattn.core.spec import KernelSpec
 
 CALLS: list[str] = []
@@ -140,7 +141,10 @@ def make(spec: KernelSpec):
         named = dict(zip(names, [np.from_dlpack(t) for t in tensors]))
         for name, value in fills.items():  # the documented pre-fill must have happened (aliasing)
             assert np.all(named[name] == value), f"{name} was not pre-filled with {value}"
-        CALLS.append(f"{spec.direction}:{named['q'].shape}" + (":paged" if spec.page_size else ""))
+        CALLS.append(f"{spec.direction}:{named['q'].shape}" + (":paged" if spec.page_size else "")
+                     + (":shared-q" if getattr(spec, "shared_q", False) else ""))
+        if getattr(spec, "shared_q", False):  # the split launch reading q's own rows: as one q per slot
+            named["q"] = named["q"][shared_query_rows(named["cu_seqlens_q"].tolist(), named["q"].shape[0])]
         if spec.page_size is not None:
             _paged(spec, named, float(scale))
         elif spec.varlen:

@@ -43,18 +43,28 @@ def test_forced_split_matches_the_reference(jit, b, nq, hq, hkv, nk, d, causal):
     assert any(c.startswith("fwd:") and c != f"fwd:{q.shape}" for c in numpy_launcher.CALLS), numpy_launcher.CALLS
 
 
-def test_fa4_d128_split_launch_runs_the_decode_tile(monkeypatch):
-    """The split launch of FA4 d128 goes through XLA FFI as the core's decode tile (split_kv.SPLIT_TILES)."""
+@pytest.mark.parametrize("b, nq, hq, hkv, nk, causal, shared", [
+    pytest.param(2, 1, 8, 2, 700, True, True, id="g4-shared-q"),
+    pytest.param(3, 4, 8, 4, 900, True, True, id="g2-q4-tail-shared-q"),
+    pytest.param(2, 2, 4, 4, 700, False, False, id="g1-q-per-slot"),
+])
+def test_fa4_d128_split_launch_runs_the_decode_tile(monkeypatch, b, nq, hq, hkv, nk, causal, shared):
+    """The split launch of FA4 d128 goes through XLA FFI as the core's decode tile (split_kv.SPLIT_TILES); with a
+    packed GQA group it reads q's own B*Nq rows (shared_q), else one copy of q per slot."""
     from xattn.jax import _ffi
 
     names, call = [], _ffi.call
     monkeypatch.setattr(_ffi, "call", lambda spec, *a, **kw: (names.append(spec.short_name()), call(spec, *a, **kw))[1])
-    q, k, v = _inputs(2, 1, 8, 2, 700, 128, seed=4)
+    q, k, v = _inputs(b, nq, hq, hkv, nk, 128, seed=4 + nq)
     with routes.forced_forward("split-kv"):
-        out = jax.jit(lambda q, k, v: ja.flash_attention(q, k, v, causal=True, backend="kernel"))(q, k, v)
-    assert any(n.endswith("_t64x64_sm_90a") for n in names), names
+        out = jax.jit(lambda q, k, v: ja.flash_attention(q, k, v, causal=causal, backend="kernel"))(q, k, v)
+        jax.block_until_ready(out)
+    assert any(n.endswith("_t64x64" + "_sq" * shared + "_sm_90a") for n in names), names
+    launches = [c for c in numpy_launcher.CALLS if c.startswith("fwd:(")]
+    copied = [c for c in launches if c != f"fwd:({b * nq}, {hq}, 128)"]  # B*P*Nq rows: q copied per slot
+    assert launches and len(copied) == (0 if shared else 1), numpy_launcher.CALLS
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = ja.flash_attention(f32(q), f32(k), f32(v), causal=True, backend="reference")
+    want = ja.flash_attention(f32(q), f32(k), f32(v), causal=causal, backend="reference")
     assert float(jnp.max(jnp.abs(f32(out) - want))) < 2e-2
 
 

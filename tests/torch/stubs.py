@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from tests.reference import attention as ref_attention, attention_bwd as ref_bwd, varlen_attention as ref_varlen
+from tests.shared_queries import shared_query_rows
 from xattn.core import paged
 from xattn.core.checks import Memo, Meta, buffer_shapes, validate
 from xattn.torch import ops
@@ -87,18 +88,8 @@ def _stub_fwd():
 
 
 def _shared_queries(q, cu_seqlens_q):
-    """The rows a split launch with ``shared_q`` reads (xattn.core.split_q_sm90): document i's Nq queries from row
-    ``cu_q[i] // (cu_q[-1] // B) * Nq`` of q's own rows, ``B = documents - cu_q[-1] // Nq``; as one q per slot (what
-    the route used to copy)."""
-    cu = cu_seqlens_q.tolist()
-    index = []
-    for a, b in zip(cu, cu[1:]):
-        if b > a:
-            seqs = (len(cu) - 1) - cu[-1] // (b - a)
-            start = a // (cu[-1] // seqs) * (b - a)
-            assert start + b - a <= q.shape[0], "the shared-q launch would read past q"
-            index += range(start, start + b - a)
-    return q[torch.tensor(index, dtype=torch.long)]
+    """The rows a split launch with ``shared_q`` reads (tests/shared_queries.py), as one q per slot."""
+    return q[torch.tensor(shared_query_rows(cu_seqlens_q.tolist(), q.shape[0]), dtype=torch.long)]
 
 
 def _stub_bwd():

@@ -4,15 +4,18 @@ front end runs). How and why: :mod:`xattn.core.split_kv` (glossary there); when:
 :func:`xattn.core.routes.forward_route`, decided at trace time from static shapes.
 
 JAX arrays are compact, so k/v ``[B, Nk, Hkv, D]`` reshape to the flat key view ``[B Nk, Hkv, D]`` for free
-(R = Nk); ``q_split [B*P*Nq, Hq, D]`` is one broadcast copy of q; the cu_seqlens are trace-time constants (from
-traced lengths: jnp arithmetic). Packed calls (varlen) run as the dense problem of ``max_seqlen_q`` queries per
-document on packed keys (:func:`packed_split_forward`).
+(R = Nk); the split launch reads q ``[B*Nq, Hq, D]`` as it is where the core has a shared-q launch (FA4 d128,
+GQA group > 1: :func:`xattn.core.split_kv.shared_queries`), else ``q_split [B*P*Nq, Hq, D]``, one broadcast copy
+of q per slot; the cu_seqlens are trace-time constants (from traced lengths: jnp arithmetic). Packed calls
+(varlen) run as the dense problem of ``max_seqlen_q`` queries per document on packed keys
+(:func:`packed_split_forward`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,14 +35,18 @@ def num_sms() -> int:
     return gpus[0].num_sms if gpus else 132
 
 
-def _varlen(cfg, causal: bool, q, k, v, cu_q, cu_k, max_q: int, max_k: int):
+def _varlen(cfg, causal: bool, q, k, v, cu_q, cu_k, max_q: int, max_k: int, rows: int | None = None):
     """One varlen forward launch: ``(out [T, Hq, Dv], lse [Hq, T])``, pre-filled 0 / -inf where the spec says;
-    the non-causal one is the split launch (with the core's decode tile where it has one)."""
+    the non-causal one is the split launch (with the core's decode tile where it has one). ``rows``: T of a
+    shared-q split launch (:func:`xattn.core.split_kv.shared_queries`), whose q ``[B*Nq, Hq, D]`` holds each
+    sequence's queries once; it is validated as the call with one q per slot (T rows) that it stands for."""
     c = dataclasses.replace(cfg, causal=causal, window=(None, None))
-    spec = c.spec("fwd", q, k, v, cu_q, cu_k, max_q, max_k)
+    t = q.shape[0] if rows is None else rows
+    as_validated = q if rows is None else jax.ShapeDtypeStruct((t, *q.shape[1:]), q.dtype)
+    spec = c.spec("fwd", as_validated, k, v, cu_q, cu_k, max_q, max_k)
     if not causal:
-        spec = split_kv.split_launch_spec(spec)
-    outs = [("out", (q.shape[0], q.shape[1], v.shape[-1]), q.dtype), ("lse", (q.shape[1], q.shape[0]), "float32")]
+        spec = split_kv.split_launch_spec(spec, shared_q=rows is not None)
+    outs = [("out", (t, q.shape[1], v.shape[-1]), q.dtype), ("lse", (q.shape[1], t), "float32")]
     out, lse = _ffi.call(spec, [q, k, v, cu_q, cu_k], outs, [], c.scale, vmap_method="sequential")
     return out, lse
 
@@ -107,8 +114,12 @@ def _split(cfg, plan: SplitPlan, q, kf, vf, nk: int, lengths, starts=None):
     if lengths is not None:  # the documents' keys from the traced lengths; the queries' as planned
         cu_k, tail_k = device_cu_seqlens_k(plan, nq, nk, key_rows, lengths, starts)
         max_k = tail_max_k = key_rows
-    q_split = jnp.broadcast_to(q[:, None], (b, p, nq, hq, d)).reshape(b * p * nq, hq, d)
-    out_p, lse_p = _varlen(cfg, False, q_split, kf, vf, const(cu_q), cu_k, nq, max_k)
+    if split_kv.shared_queries(cfg.family, d, dv, hq // kf.shape[1]):  # the launch reads q's own rows
+        out_p, lse_p = _varlen(cfg, False, q.reshape(b * nq, hq, d), kf, vf, const(cu_q), cu_k, nq, max_k,
+                               rows=b * p * nq)
+    else:  # one copy of q per slot
+        q_split = jnp.broadcast_to(q[:, None], (b, p, nq, hq, d)).reshape(b * p * nq, hq, d)
+        out_p, lse_p = _varlen(cfg, False, q_split, kf, vf, const(cu_q), cu_k, nq, max_k)
     out_p, lse_p = out_p.reshape(b, p, nq, hq, dv), lse_p.reshape(hq, b, p, nq)
     if plan.tail:
         out_t, lse_t = _varlen(cfg, True, q.reshape(b * nq, hq, d), kf, vf, const(tail_q), tail_k, nq, tail_max_k)
