@@ -32,6 +32,7 @@ def _rel(a, b):
     pytest.param(xj.ffpa_attention, 1, 1, 32, 4, 9000, 512, True, id="d512-B1-q1"),
     pytest.param(xj.ffpa_attention, 2, 4, 32, 4, 4100, 512, True, id="d512-B2-q4-causal-tail"),
     pytest.param(xj.flash_attention, 2, 1, 32, 8, 12000, 128, True, id="d128-B2-q1"),
+    pytest.param(xj.flash_attention, 3, 4, 32, 8, 5001, 128, True, id="d128-B3-q4-tail-shared-q"),
     pytest.param(xj.flash_attention, 1, 3, 32, 16, 7001, 256, False, id="d256-q3"),
 ])
 def test_split_vs_reference_and_fused(fn, b, nq, hq, hkv, nk, d, causal):
