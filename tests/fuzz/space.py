@@ -130,8 +130,8 @@ def launcher_pool() -> list[KernelSpec]:
 
 def split_launchers() -> list:
     """The launchers the split-KV forward of the pool's entries (dense and packed) runs when the fuzz forces it:
-    the family's varlen forward (non-causal splits, with the decode tile where the core has one, on q once per slot
-    (JAX) or on q as it is (torch, :func:`xattn.core.split_kv.shared_queries`); causal tail), the
+    the family's varlen forward (non-causal splits, with the decode tile where the core has one, on q as it is where
+    :func:`xattn.core.split_kv.shared_queries` holds, else on q once per slot; causal tail), the
     slot launch's dense non-causal forward (:func:`xattn.core.split_kv.slot_chunk`) and the combine
     (:mod:`xattn.core.split_kv`)."""
     import dataclasses
