@@ -7,7 +7,7 @@ probe's calls only; it is compiled here (FA4 ~10 s a tile on a CPU), never store
 variant's out is checked against fp32 SDPA before it is timed.
 
     python benchmarks/tools/decode_tile_probe.py [--layer d128|d512] [--shapes B:NK,...]
-        [--variants SPLIT/COMBINE,...] [--splits 0,8,16,32] [--compile-only]
+        [--variants SPLIT/COMBINE,...] [--splits 0,8,16,32] [--compile-only] [--timeline]
 
 A variant is ``SPLIT/COMBINE``. SPLIT (FA4 d128 only; d512 keeps the shipped FFPA launch: ``shipped``): ``shipped``,
 or a tile ``MxN`` / ``MxNsK`` (K pipeline stages for K and V, default FlashAttention's 2) of FlashAttention's sm90
@@ -17,6 +17,9 @@ run; it waits on ``griddepcontrol.wait`` before it reads a partial). COMBINE: ``
 in flight; ``t256s4`` is the shipped one), ``+pdl`` for a PDL launch. num_splits 0: the route's rule.
 ``--compile-only`` compiles the variants on a CPU (CUTE_DSL_ARCH=sm_90a) and exits.
 Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benchmarks/decode_attention.py.
+``--timeline`` also profiles 50 replays of each graph (torch.profiler, L2 flushed before each) and prints where the
+replay's time goes on the GPU: from the flush's end to the first kernel, each kernel's duration and the gap before
+the next one (medians), and the span from the flush's end to the last kernel's end.
 """
 
 from __future__ import annotations
@@ -114,6 +117,46 @@ def _combine_variant(text: str) -> tuple[int, int, bool]:
     return int(threads), int(stages), flag == "pdl"
 
 
+def timeline(replay, calls: int = 50) -> str:
+    """Medians over ``calls`` profiled replays, each after a 256 MiB L2 flush: ``start`` (flush end to the first
+    kernel), each kernel's ``name=duration`` and ``+gap`` to the next, ``span`` (flush end to the last kernel's
+    end), in us."""
+    import statistics
+
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for _ in range(5):
+        replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    runs, run = [], None
+    for e in kernels:
+        if "fill" in e.name.lower() or "memset" in e.name.lower():  # the flush
+            run = [e.time_range.end]
+            runs.append(run)
+        elif run is not None:
+            run.append((e.name, e.time_range.start, e.time_range.end))
+    runs = [r for r in runs if len(r) > 1]
+    n = min(len(r) for r in runs)
+    med = statistics.median
+    parts = [f"start {med(r[1][1] - r[0] for r in runs):.2f}"]
+    for i in range(1, n):
+        name = runs[0][i][0].split("<")[0].removeprefix("kernel_cutlass_kernel_")[:28]
+        parts.append(f"{name}={med(r[i][2] - r[i][1] for r in runs):.2f}")
+        if i + 1 < n:
+            parts.append(f"+{med(r[i + 1][1] - r[i][2] for r in runs):.2f}")
+    parts.append(f"span {med(r[n - 1][2] - r[0] for r in runs):.2f} ({len(runs)} replays, {n - 1} kernels)")
+    return " ".join(parts)
+
+
 def _install(spec, function):
     from xattn.core import cache
 
@@ -127,6 +170,7 @@ def main():
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--splits", default="0", help="num_splits values for B1 (B>1: 0)")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="profile the graph replays kernel by kernel")
     args = ap.parse_args()
     family, hq, hkv, d = LAYERS[args.layer]
     from xattn.core.combine_sm90 import compile_combine
@@ -156,13 +200,16 @@ def main():
     import xattn.torch as xt
     from xattn.core import cache
 
-    def graph_ms(fn):
+    def graph_ms(fn, label=""):
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+        ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+        if args.timeline:
+            print(f"  timeline {label}: {timeline(graph.replay)}", flush=True)
+        return ms
 
     warm = torch.randn(1, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     warm_kv = torch.randn(1, 4096, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -179,7 +226,7 @@ def main():
         v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), enable_gqa=True).transpose(1, 2)
-        sdpa = graph_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        sdpa = graph_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), "sdpa")
         print(f"{args.layer} B{b} {nk // 1024}k sdpa {sdpa * 1e3:.1f} us", flush=True)
         splits = [int(s) for s in args.splits.split(",")] if b == 1 else [0]
         for split_text, combine_text in variants:
@@ -196,7 +243,7 @@ def main():
                 err = (call().float() - ref).abs().max().item()
                 for other in set(cache._entries) - before:  # the route took a launcher the probe did not set
                     print(f"  note: the call also loaded {other.short_name()}", flush=True)
-                ms = graph_ms(call)
+                ms = graph_ms(call, f"{split_text}/{combine_text} S={s or 'auto'}")
                 print(f"{args.layer} B{b} {nk // 1024}k {split_text}/{combine_text} S={s or 'auto'}: "
                       f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
 
