@@ -12,8 +12,9 @@ P <= :data:`~xattn.core.split_kv.MAX_PARTIALS`.
 Each thread owns 8 consecutive Dv elements (16 bytes) of one row (b, n, h) and loads them from :data:`CHUNK`
 partials at once, with their lse, before it merges them (an online softmax across chunks): at P <= CHUNK the merge
 costs one round trip to memory. FlashAttention's ``FlashAttentionForwardCombine`` (which this replaces) stages the
-lse through shared memory first, then streams the partials with 3 in flight per CTA: at a decode step's 16 splits
-its chain of dependent loads was most of its 3.3 us (docs/benchmarks.md, "A one-pass combine").
+lse through shared memory first, then streams the partials with 3 in flight per CTA, so its cost grows with the
+split count (H100, d128: 2.3 us at 2 partials, 3.3 at 16, where cuDNN's reduction takes 3.0; docs/benchmarks.md,
+"Where d128's B1 gap to SDPA sits").
 
 With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it in
 the stream (the split launch) drains, and waits on ``griddepcontrol`` before it reads a partial.
