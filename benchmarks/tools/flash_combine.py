@@ -3,10 +3,6 @@ combine launcher: the one xattn shipped until session 26, kept for ``decode_tile
 one-pass combine (:mod:`xattn.core.combine_sm90`) against. Compile-time only here; never in the disk cache."""
 
 import contextlib
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from xattn.core.symbolic import CUTE_DTYPES, compile_launcher  # noqa: E402  (pins the DSL arch first)
 
