@@ -115,7 +115,7 @@ class _Merge:
                 mL[b, n, h] = lse
 
 
-PDL = False  # launch the combine with programmatic dependent launch (module docstring)
+PDL = True  # launch the combine with programmatic dependent launch (module docstring; measured in docs/benchmarks.md)
 
 
 def compile_combine(spec: CombineSpec, pdl: bool | None = None, chunk: int = CHUNK):
