@@ -107,12 +107,12 @@ def specs(recorded=None, fuzz=False):
         add("fa4", 128, 128, 4, False, window=window)
     for window in ((6, 0), (6, None), (None, 4), (0, 0), (3, 2)):  # window spellings (test_window_forms_gpu.py)
         add("fa4", 128, 128, 2, False, window=window)
-    from xattn.core.split_kv import CombineSpec
+    from xattn.core.split_kv import COMBINE_CHUNKS, CombineSpec
     for dtype in ("bfloat16", "float16"):  # the split-KV decode route (tests/torch/test_split_kv_gpu.py, decode bench)
         for family, d, g in (("ffpa", 512, 8), ("ffpa", 512, 4), ("fa4", 128, 4), ("fa4", 256, 2)):
             for causal in (False, True):
                 add(family, d, d, g, causal, varlen=True, dtype=dtype, directions=("fwd",))
-            out.append(CombineSpec(family, dtype, d))
+            out += [CombineSpec(family, dtype, d, c) for c in COMBINE_CHUNKS]  # the route picks one by P
     add("fa4", 128, 128, 4, False, varlen=True, window=(64, 0), directions=("fwd",))  # tests/torch/test_kvcache_gpu.py
     # tests/torch/test_paged_gpu.py and the decode bench's paged rows; d96: benchmarks/tools/paged_tile_probe.py
     paged = [("ffpa", 512, (8, 4), (64, 256)), ("ffpa", 384, (1,), (128,)), ("fa4", 128, (8, 4), (16, 64, 128, 256)),
@@ -133,7 +133,7 @@ def specs(recorded=None, fuzz=False):
     for family, d, g, ps in (("ffpa", 512, 8, 64), ("ffpa", 512, 8, 256), ("fa4", 128, 4, 16), ("fa4", 128, 4, 128),
                              ("fa4", 128, 4, 64), ("fa4", 128, 4, 256)):  # JAX (tests, benchmarks/paged_jax.py)
         out.append(KernelSpec(family, "fwd", "bfloat16", d, d, g, page_size=ps, kv_heads_first=True))
-    out.append(CombineSpec("ffpa", "bfloat16", 384))
+    out += [CombineSpec("ffpa", "bfloat16", 384, c) for c in COMBINE_CHUNKS]
     from xattn.core.paged import PagedMetaSpec
     out += [PagedMetaSpec(family, tail, packed) for family in ("ffpa", "fa4") for tail in (False, True)
             for packed in (False, True)]  # the paged split route's index kernel

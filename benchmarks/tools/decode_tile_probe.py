@@ -14,9 +14,9 @@ or a tile ``MxN`` / ``MxNsK`` (K pipeline stages for K and V, default FlashAtten
 forward (one MMA warpgroup per 64 rows; ``128x128`` is flash_attn's own d128 choice), ``+trig`` for a kernel whose
 threads call ``griddepcontrol.launch_dependents`` first (a PDL-launched combine may then start while the splits
 run; it waits on ``griddepcontrol.wait`` before it reads a partial). COMBINE: ``one`` (the shipped one-pass combine,
-:mod:`xattn.core.combine_sm90`; ``oneC``: C partials in flight a thread) or FlashAttention's
-``FlashAttentionForwardCombine`` as ``tTsS`` (T threads, S partial tiles in flight; ``t256s4`` was shipped before
-session 26), ``+pdl`` for a PDL launch. num_splits 0: the route's rule.
+:mod:`xattn.core.combine_sm90`, at the chunk the route picks; ``oneC``: C partials in flight a thread at any P) or
+FlashAttention's ``FlashAttentionForwardCombine`` as ``tTsS`` (T threads, S partial tiles in flight; ``t256s4`` was
+shipped before session 26), ``+pdl`` for a PDL launch. num_splits 0: the route's rule.
 ``--compile-only`` compiles the variants on a CPU (CUTE_DSL_ARCH=sm_90a) and exits.
 Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benchmarks/decode_attention.py.
 ``--timeline`` also profiles 50 replays of each graph (torch.profiler, L2 flushed before each) and prints where the
@@ -178,10 +178,11 @@ def main():
     args = ap.parse_args()
     family, hq, hkv, d = LAYERS[args.layer]
     from benchmarks.tools.flash_combine import compile_flash_combine
-    from xattn.core.combine_sm90 import CHUNK, compile_combine
-    from xattn.core.split_kv import CombineSpec
+    from xattn.core.combine_sm90 import compile_combine
+    from xattn.core.split_kv import COMBINE_CHUNKS, CombineSpec
 
-    spec, cspec = split_spec(args.layer), CombineSpec(family, "bfloat16", d)
+    spec = split_spec(args.layer)
+    ckeys = [CombineSpec(family, "bfloat16", d, c) for c in COMBINE_CHUNKS]  # the route picks one by its P
     variants = [tuple(v.split("/")) for v in args.variants.split(",")]
     splits_built, combines_built = {}, {}
     for split_text, combine_text in variants:
@@ -194,8 +195,12 @@ def main():
             print(f"compiled split {split_text} in {time.perf_counter() - t0:.1f} s", flush=True)
         if cv not in combines_built:
             t0 = time.perf_counter()
-            combines_built[cv] = (compile_combine(cspec, pdl=cv[2], chunk=cv[1] or CHUNK) if cv[0] == 0 else
-                                  compile_flash_combine(cspec, pdl=cv[2], threads=cv[0], stages=cv[1]))
+            if cv[0] == 0 and not cv[1]:  # the shipped combine: each chunk's launcher where the route takes it
+                combines_built[cv] = {key: compile_combine(key, pdl=cv[2]) for key in ckeys}
+            else:  # one launcher in place of every chunk's
+                fn = (compile_combine(CombineSpec(family, "bfloat16", d, cv[1]), pdl=cv[2]) if cv[0] == 0 else
+                      compile_flash_combine(ckeys[0], pdl=cv[2], threads=cv[0], stages=cv[1]))
+                combines_built[cv] = dict.fromkeys(ckeys, fn)
             print(f"compiled combine {combine_text} in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.compile_only:
         return
@@ -220,10 +225,10 @@ def main():
     warm = torch.randn(1, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     warm_kv = torch.randn(1, 4096, hkv, d, device="cuda", dtype=torch.bfloat16)
     xt.attention(warm, warm_kv, warm_kv, causal=True, num_splits=2)  # the shipped launchers, from the disk cache
-    missing = [key.short_name() for key in (spec, cspec) if key not in cache._entries]
-    if missing:
-        raise SystemExit(f"the route did not load {missing}; it loaded {[k.short_name() for k in cache._entries]}")
-    shipped = {key: cache._entries[key] for key in (spec, cspec)}
+    if spec not in cache._entries:
+        raise SystemExit(f"the route did not load {spec.short_name()}; it loaded "
+                         f"{[k.short_name() for k in cache._entries]}")
+    shipped = {spec: cache._entries[spec]}
     for shape in args.shapes.split(","):
         b, nk = (int(x) for x in shape.split(":"))
         g = torch.Generator(device="cuda").manual_seed(nk + b)
@@ -237,7 +242,7 @@ def main():
         splits = [int(s) for s in args.splits.split(",")] if b == 1 else [0]
         for split_text, combine_text in variants:
             built = {spec: splits_built.get(_split_variant(split_text, spec)),
-                     cspec: combines_built[_combine_variant(combine_text)]}
+                     **combines_built[_combine_variant(combine_text)]}
             for key, fn in built.items():
                 if fn is None:
                     cache._entries[key] = shipped[key]

@@ -80,10 +80,10 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 8, page_size=64, kv_heads_first=True)),
     split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True), shared_q=True))]  # q as it is
 # The split-KV route's combine (xattn.core.combine_sm90): whole rows per CTA at Dv 128 / 512, a CTA of one row's
-# threads not a power of two at Dv 384, several such rows at Dv 96.
+# threads not a power of two at Dv 384, several such rows at Dv 96; every chunk the route picks.
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
-    CombineSpec("fa4", "bfloat16", 128), CombineSpec("ffpa", "float16", 512), CombineSpec("ffpa", "bfloat16", 384),
-    CombineSpec("fa4", "float16", 96))]
+    CombineSpec("fa4", "bfloat16", 128, 4), CombineSpec("ffpa", "float16", 512, 16),
+    CombineSpec("ffpa", "bfloat16", 384, 8), CombineSpec("fa4", "float16", 96, 16))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

@@ -100,6 +100,14 @@ def test_split_bounds_are_key_tile_multiples():
         split_kv.plan_splits(split_kv.MAX_PARTIALS, False, 1, 10)
 
 
+def test_combine_chunk_holds_every_partial_up_to_the_largest_chunk():
+    assert [split_kv.combine_chunk(p) for p in (1, 2, 4, 5, 8, 9, 16, 17, 33, split_kv.MAX_PARTIALS)] == \
+        [4, 4, 4, 8, 8, 16, 16, 16, 16, 16]
+    assert split_kv.CombineSpec("fa4", "bfloat16", 128).chunk == max(split_kv.COMBINE_CHUNKS)
+    names = {split_kv.CombineSpec("fa4", "bfloat16", 128, c).short_name() for c in split_kv.COMBINE_CHUNKS}
+    assert len(names) == len(split_kv.COMBINE_CHUNKS)  # one disk entry per chunk
+
+
 def test_combine_spec_names_a_disk_cache_entry():
     import re
 

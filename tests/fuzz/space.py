@@ -136,7 +136,7 @@ def split_launchers() -> list:
     (:mod:`xattn.core.split_kv`)."""
     import dataclasses
 
-    from xattn.core.split_kv import SLOT_FAMILIES, CombineSpec, split_launch_spec
+    from xattn.core.split_kv import COMBINE_CHUNKS, SLOT_FAMILIES, CombineSpec, split_launch_spec
 
     out = []
     for s in launcher_pool():
@@ -145,7 +145,7 @@ def split_launchers() -> list:
             out.append(split_launch_spec(dataclasses.replace(s, varlen=True, causal=False), shared_q=True))
             if s.family in SLOT_FAMILIES:
                 out.append(dataclasses.replace(s, varlen=False, causal=False))
-            out.append(CombineSpec(s.family, s.dtype, s.head_dim_v))
+            out += [CombineSpec(s.family, s.dtype, s.head_dim_v, c) for c in COMBINE_CHUNKS]
     return list(dict.fromkeys(out))
 
 

@@ -134,7 +134,11 @@ def install_for_process():
 
 def _stub_combine():
     def run(spec, out_partial, lse_partial, out, lse, stream=None):
-        """The split-KV merge in fp64 (the combine kernel's contract: xattn.core.api.launch_combine)."""
+        """The split-KV merge in fp64 (the combine kernel's contract: xattn.core.api.launch_combine); the route
+        must have picked the combine's chunk for its P (xattn.core.split_kv.combine_chunk)."""
+        from xattn.core.split_kv import combine_chunk
+
+        assert spec.chunk == combine_chunk(out_partial.shape[0]), (spec.short_name(), out_partial.shape)
         lse_p = lse_partial.double()  # [P, B, Nq, Hq]
         total = torch.logsumexp(lse_p, dim=0)
         weight = torch.where(torch.isneginf(total), 0.0, torch.exp(lse_p - total)).nan_to_num(0.0)

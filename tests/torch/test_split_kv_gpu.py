@@ -134,13 +134,15 @@ def test_packed_split_kv_vs_fp64_and_fused(d, lens_q, lens_k, hq, hkv, causal, t
         (fused_lse[finite].double() - ref_lse[finite]).abs().max()
 
 
-@pytest.mark.parametrize("p, dv, dtype", [(5, 512, torch.bfloat16), (16, 128, torch.bfloat16),
-                                          (17, 384, torch.bfloat16), (40, 256, torch.float16),
-                                          (127, 128, torch.bfloat16)])
-def test_combine_never_reads_a_partial_of_lse_minus_inf(p, dv, dtype):
+@pytest.mark.parametrize("p, chunk, dv, dtype", [(3, 4, 128, torch.bfloat16), (5, 8, 512, torch.bfloat16),
+                                                 (16, 16, 128, torch.bfloat16), (17, 16, 384, torch.bfloat16),
+                                                 (40, 16, 256, torch.float16), (127, 16, 128, torch.bfloat16),
+                                                 (9, 4, 128, torch.bfloat16), (7, 8, 256, torch.float16)])
+def test_combine_never_reads_a_partial_of_lse_minus_inf(p, chunk, dv, dtype):
     """The combine's contract the routes rely on (no out pre-fill for partials): a partial row of lse -inf is
-    skipped, whatever its out holds (NaN here); the rest merge by lse, against fp64. P around the combine's chunk
-    of 16 partials a thread (one chunk, one past it, several; the most there are), Dv of whole and partial CTAs."""
+    skipped, whatever its out holds (NaN here); the rest merge by lse, against fp64. P around each chunk of
+    partials a thread loads (within one chunk, one past it, several; the most there are), Dv of whole and partial
+    CTAs."""
     from xattn.core.split_kv import CombineSpec
     from xattn.torch import ops
 
@@ -154,7 +156,7 @@ def test_combine_never_reads_a_partial_of_lse_minus_inf(p, dv, dtype):
     out_p.permute(0, 1, 3, 2, 4)[dead] = float("nan")
     out = torch.empty(b, nq, hq, dv, device="cuda", dtype=dtype)
     lse = torch.empty(b, hq, nq, device="cuda")
-    spec = CombineSpec("ffpa" if dv > 256 else "fa4", str(dtype).removeprefix("torch."), dv)
+    spec = CombineSpec("ffpa" if dv > 256 else "fa4", str(dtype).removeprefix("torch."), dv, chunk)
     ops.LAUNCH["combine"](spec, out_p, lse_p.permute(0, 1, 3, 2), out, lse.permute(0, 2, 1))
     total = torch.logsumexp(lse_p.double(), 0)
     w = torch.exp(lse_p.double() - total).nan_to_num(0.0).permute(0, 1, 3, 2)[..., None]  # [P, B, Nq, Hq, 1]

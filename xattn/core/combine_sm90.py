@@ -9,12 +9,12 @@ Writes every element of out and lse: ``lse = log(sum_s exp(lse_s))``, ``out = su
 row whose partials all hold lse -inf gets out 0 and lse -inf (a partial with lse -inf is never read into out).
 P <= :data:`~xattn.core.split_kv.MAX_PARTIALS`.
 
-Each thread owns 8 consecutive Dv elements (16 bytes) of one row (b, n, h) and loads them from :data:`CHUNK`
-partials at once, with their lse, before it merges them (an online softmax across chunks): at P <= CHUNK the merge
-costs one round trip to memory. FlashAttention's ``FlashAttentionForwardCombine`` (which this replaces) stages the
-lse through shared memory first, then streams the partials with 3 in flight per CTA, so its cost grows with the
-split count (H100, d128: 2.3 us at 2 partials, 3.3 at 16, where cuDNN's reduction takes 3.0; docs/benchmarks.md,
-"Where d128's B1 gap to SDPA sits").
+Each thread owns 8 consecutive Dv elements (16 bytes) of one row (b, n, h) and loads them from ``spec.chunk``
+partials at once, with their lse, before it merges them (an online softmax across chunks): at P <= chunk the merge
+costs one round trip to memory (:func:`~xattn.core.split_kv.combine_chunk`). FlashAttention's
+``FlashAttentionForwardCombine`` (which this replaces) stages the lse through shared memory first, then streams the
+partials with 3 in flight per CTA, so its cost grows with the split count (H100, d128: 2.3 us at 2 partials, 3.3
+at 16, where cuDNN's reduction takes 3.0; docs/benchmarks.md, "Where d128's B1 gap to SDPA sits").
 
 With ``pdl`` the kernel is launched with programmatic dependent launch: it may start while the kernel before it in
 the stream (the split launch) drains, and waits on ``griddepcontrol`` before it reads a partial.
@@ -31,20 +31,21 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
-from .split_kv import CombineSpec  # noqa: E402
+from .split_kv import MAX_PARTIALS, CombineSpec  # noqa: E402
 
-__all__ = ["compile_combine", "CHUNK", "VECTOR", "PDL"]
+__all__ = ["compile_combine", "VECTOR", "PDL"]
 
 VECTOR = 8  # Dv elements per thread (16 bytes of a 16-bit dtype)
-CHUNK = 16  # partials loaded at once per thread (a decode step's usual split count)
 _THREADS = 128  # about this many threads per CTA: whole rows of Dv / 8 threads each
 _LOG2_E = math.log2(math.e)
 
 
 class _Merge:
-    def __init__(self, dtype, head_dim_v: int, pdl: bool, chunk: int = CHUNK):
+    def __init__(self, dtype, head_dim_v: int, pdl: bool, chunk: int):
         if head_dim_v % VECTOR or not 0 < head_dim_v <= 1024 * VECTOR:
             raise NotImplementedError(f"the combine kernel needs Dv a multiple of {VECTOR}, got {head_dim_v}")
+        if not 1 <= chunk <= MAX_PARTIALS:
+            raise ValueError(f"chunk: expected 1-{MAX_PARTIALS} partials, got {chunk}")
         self.dtype, self.dv, self.pdl, self.chunk = dtype, head_dim_v, pdl, chunk
         self.lanes = head_dim_v // VECTOR  # threads per row
         self.rows = max(_THREADS // self.lanes, 1)  # rows per CTA
@@ -118,11 +119,10 @@ class _Merge:
 PDL = True  # launch the combine with programmatic dependent launch (module docstring; measured in docs/benchmarks.md)
 
 
-def compile_combine(spec: CombineSpec, pdl: bool | None = None, chunk: int = CHUNK):
-    """Compile the combine launcher of ``spec`` (``pdl``: launch with programmatic dependent launch; default
-    :data:`PDL`; ``chunk`` partials in flight per thread: :data:`CHUNK` unless a probe names another); returns the
-    compiled TVM-FFI function. Its trailing scalar is unused (every xattn launcher ends
-    with one float: the launch path passes the softmax scale)."""
+def compile_combine(spec: CombineSpec, pdl: bool | None = None):
+    """Compile the combine launcher of ``spec`` (``spec.chunk`` partials in flight per thread; ``pdl``: launch with
+    programmatic dependent launch, default :data:`PDL`); returns the compiled TVM-FFI function. Its trailing scalar
+    is unused (every xattn launcher ends with one float: the launch path passes the softmax scale)."""
     dtype = CUTE_DTYPES[spec.dtype]
     dv = spec.head_dim_v
     sym = cute.sym_int
@@ -132,4 +132,4 @@ def compile_combine(spec: CombineSpec, pdl: bool | None = None, chunk: int = CHU
                make_fake_tensor(Float32, (p, b, n, h), divisibility=1, leading_dim=2),
                make_fake_tensor(dtype, (b, n, h, dv), divisibility=div),
                make_fake_tensor(Float32, (b, n, h), divisibility=1, leading_dim=1))
-    return compile_launcher(_Merge(dtype, dv, PDL if pdl is None else pdl, chunk), tensors)
+    return compile_launcher(_Merge(dtype, dv, PDL if pdl is None else pdl, spec.chunk), tensors)

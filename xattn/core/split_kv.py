@@ -22,7 +22,7 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
    ``P - 1``. With one sequence and Nk > Nq (:meth:`SplitPlan.tail_in_place`) that slot is the last Nq
    partial rows: the split launch's documents end before it (:func:`splits_only`), so the tail launch
    writes it in place beside the splits, and no partial needs a pre-fill.
-3. **combine**: FlashAttention's combine kernel (:class:`CombineSpec`) reads the partials as
+3. **combine**: xattn's combine kernel (:class:`CombineSpec`, :mod:`xattn.core.combine_sm90`) reads the partials as
    ``[P, B, Nq, Hq, Dv]`` / ``[P, B, Nq, Hq]`` views and writes out ``[B, Nq, Hq, Dv]`` and lse
    ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
    A row no key reaches gets out 0, lse -inf, as the fused kernels.
@@ -59,8 +59,8 @@ from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 
 __all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
            "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_chunk", "SLOT_FAMILIES",
-           "shared_queries", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES",
-           "source_digest"]
+           "shared_queries", "combine_chunk", "COMBINE_CHUNKS", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT",
+           "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -244,15 +244,31 @@ def source_digest() -> str:
     return _module_digest("combine_sm90.py")
 
 
+# Partials one combine thread loads at once (:mod:`xattn.core.combine_sm90`), a launcher compiled per value; the
+# route takes :func:`combine_chunk`.
+COMBINE_CHUNKS = (4, 8, 16)
+
+
+def combine_chunk(partials: int) -> int:
+    """The combine's chunk for ``partials`` slots per sequence: the smallest of :data:`COMBINE_CHUNKS` that holds
+    them all (one round trip to memory), else the largest (chunks in turn). The kernel's code grows with its chunk,
+    and a chunk past P costs time though its extra loads are skipped (H100, d128, CUDA graph, L2 flushed: at 2
+    partials chunk 4 runs 2.1 us, chunk 16 3.1; at 16 partials chunk 16 3.3 us, chunk 4 3.7; docs/benchmarks.md,
+    "The combine's chunk")."""
+    return next((c for c in COMBINE_CHUNKS if c >= partials), COMBINE_CHUNKS[-1])
+
+
 @dataclass(frozen=True)
 class CombineSpec(FieldsHashed):
-    """Compile key of the combine launcher (FlashAttention's ``FlashAttentionForwardCombine``): ``dtype`` of
-    out and of the partials, ``head_dim_v`` (Dv), up to :data:`MAX_PARTIALS` slots. Goes through the same
-    launcher and disk caches as :class:`~xattn.core.spec.KernelSpec`; ``family`` only names the entry."""
+    """Compile key of the combine launcher (:mod:`xattn.core.combine_sm90`): ``dtype`` of out and of the partials,
+    ``head_dim_v`` (Dv), up to :data:`MAX_PARTIALS` slots, ``chunk`` partials loaded at once per thread (any P is
+    merged right; :func:`combine_chunk` picks the fastest). Goes through the same launcher and disk caches as
+    :class:`~xattn.core.spec.KernelSpec`; ``family`` only names the entry."""
 
     family: str
     dtype: str
     head_dim_v: int
+    chunk: int = COMBINE_CHUNKS[-1]
     arch: str = "sm_90a"
     source: str = field(default_factory=source_digest)
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
@@ -261,7 +277,7 @@ class CombineSpec(FieldsHashed):
 
     def short_name(self) -> str:
         # "<family>_fwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
-        return f"{self.family}_fwd_combine_{self.dtype}_d{self.head_dim_v}_p{MAX_PARTIALS}_{self.arch}"
+        return f"{self.family}_fwd_combine_{self.dtype}_d{self.head_dim_v}_p{MAX_PARTIALS}_c{self.chunk}_{self.arch}"
 
     def target_name(self) -> str:
         digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from xattn.core import paged, routes
 from xattn.core.checks import Memo
-from xattn.core.split_kv import CombineSpec, split_launch_spec
+from xattn.core.split_kv import CombineSpec, combine_chunk, split_launch_spec
 
 from . import ops, split_kv as split_kv_torch
 from .split_kv import num_sms
@@ -109,7 +109,7 @@ def _split(family: str, q: Tensor, cu_seqlens_q: Tensor | None, nq: int, k_pages
         out = torch.empty((b, nq, hq, dv), dtype=q.dtype, device=dev)
         lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
         lse_view = lse.permute(0, 2, 1)
-    ops.LAUNCH["combine"](_combine_spec(family, str(q.dtype).removeprefix("torch."), dv), out_p,
+    ops.LAUNCH["combine"](_combine_spec(family, str(q.dtype).removeprefix("torch."), dv, combine_chunk(slots)), out_p,
                           lse_p.permute(0, 1, 3, 2), out, lse_view)
     if packed:
         return out_all.index_select(0, gathers[2]), lse_rows.index_select(1, gathers[2])
@@ -178,7 +178,7 @@ def paged_varlen_forward(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens
 
 
 _ROUTES = Memo(256)  # (FwdProblem, request) -> Route: a decode loop asks once per shape
-_combine_spec = functools.lru_cache(maxsize=64)(CombineSpec)  # built once per (family, dtype, Dv), not per step
+_combine_spec = functools.lru_cache(maxsize=64)(CombineSpec)  # built once per (family, dtype, Dv, chunk), not per step
 _meta_spec = functools.lru_cache(maxsize=8)(paged.PagedMetaSpec)
 
 

@@ -168,7 +168,8 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     if plan.tail:
         tail_checked = ops._checked("fwd", family, q.reshape(b * nq, *q.shape[2:]), kf, vf, True, -1, -1, tail_q_d,
                                     tail_k_d, nq, longest(tail_k))
-    combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), vf.shape[-1])
+    combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), vf.shape[-1],
+                          split_kv.combine_chunk(plan.partials))
     return _SETUPS.put(key, _Setup(cu_q_d, cu_k_d, longest(cu_k), checked, tail_q_d, tail_k_d, longest(tail_k),
                                    tail_checked, combine))
 
@@ -401,7 +402,8 @@ def _slot_setup(plan: SplitPlan, family: str, q_slots: Tensor, k_slots: Tensor, 
         (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])), dev)
     checked = ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1)
     tail_checked = ops._checked("fwd", family, q_tail, kf, vf, True, -1, -1, tail_q, tail_k, nq, nk - first)
-    combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1])
+    combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1],
+                          split_kv.combine_chunk(plan.partials))
     return _SETUPS.put(key, _Setup(None, None, chunk, checked, tail_q, tail_k, nk - first, tail_checked, combine))
 
 
