@@ -7,7 +7,7 @@ probe's calls only; it is compiled here (FA4 ~10 s a tile on a CPU), never store
 variant's out is checked against fp32 SDPA before it is timed.
 
     python benchmarks/tools/decode_tile_probe.py [--layer d128|d512] [--shapes B:NK,...]
-        [--variants SPLIT/COMBINE,...] [--splits 0,8,16,32] [--compile-only] [--timeline]
+        [--variants SPLIT/COMBINE,...] [--splits 0,8,16,32] [--compile-only] [--timeline [--warm q,index]]
 
 A variant is ``SPLIT/COMBINE``. SPLIT (FA4 d128 only; d512 keeps the shipped FFPA launch: ``shipped``): ``shipped``,
 or a tile ``MxN`` / ``MxNsK`` (K pipeline stages for K and V, default FlashAttention's 2) of FlashAttention's sm90
@@ -21,7 +21,9 @@ shipped before session 26), ``+pdl`` for a PDL launch. num_splits 0: the route's
 Timing: ``do_bench`` median of a graph replay (L2 flushed between runs), as benchmarks/decode_attention.py.
 ``--timeline`` also profiles 50 replays of each graph (torch.profiler, L2 flushed before each) and prints where the
 replay's time goes on the GPU: from the flush's end to the first kernel, each kernel's duration and the gap before
-the next one (medians), and the span from the flush's end to the last kernel's end.
+the next one (medians), and the span from the flush's end to the last kernel's end; ``--warm q,index`` first reads
+the queries and/or the split launch's index tensors back into L2 after each flush (a model's decode step finds q in
+L2, just written; the split launch reads its index before its first key: a dependent round trip to memory when cold).
 """
 
 from __future__ import annotations
@@ -121,10 +123,10 @@ def _combine_variant(text: str) -> tuple[int, int, bool]:
     return int(threads), int(stages), flag == "pdl"
 
 
-def timeline(replay, calls: int = 50) -> str:
+def timeline(replay, calls: int = 50, warm=None) -> str:
     """Medians over ``calls`` profiled replays, each after a 256 MiB L2 flush: ``start`` (flush end to the first
     kernel), each kernel's ``name=duration`` and ``+gap`` to the next, ``span`` (flush end to the last kernel's
-    end), in us."""
+    end), in us. ``warm``: a callable run between the flush and the replay (its kernels are listed first)."""
     import statistics
 
     import torch
@@ -138,6 +140,8 @@ def timeline(replay, calls: int = 50) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             flush.zero_()
+            if warm is not None:
+                warm()
             replay()
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
@@ -175,6 +179,9 @@ def main():
     ap.add_argument("--splits", default="0", help="num_splits values for B1 (B>1: 0)")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="profile the graph replays kernel by kernel")
+    ap.add_argument("--warm", default="", help="with --timeline: after each flush read these back into L2 first: "
+                    "'q' (the call's queries, which a model's previous kernel has just written), 'index' (the split "
+                    "launch's cu_seqlens), comma-separated")
     args = ap.parse_args()
     family, hq, hkv, d = LAYERS[args.layer]
     from benchmarks.tools.flash_combine import compile_flash_combine
@@ -211,7 +218,22 @@ def main():
     import xattn.torch as xt
     from xattn.core import cache
 
-    def graph_ms(fn, label=""):
+    from xattn.torch import split_kv as split_kv_torch
+
+    warm_sets = {w for w in args.warm.split(",") if w}
+    if warm_sets - {"q", "index"}:
+        raise SystemExit(f"--warm: 'q' and/or 'index', got {args.warm!r}")
+
+    def warmer(q):
+        """What ``--warm`` reads back into L2 after each flush: q, the split route's index tensors (every setup of
+        this process: a few hundred bytes)."""
+        tensors = [q] if "q" in warm_sets else []
+        if "index" in warm_sets:
+            tensors += [t for st in split_kv_torch._SETUPS.values() for t in (st.cu_q, st.cu_k, st.tail_q, st.tail_k)
+                        if isinstance(t, torch.Tensor)]
+        return (lambda: [t.sum() for t in tensors]) if tensors else None
+
+    def graph_ms(fn, label="", q=None):
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -219,7 +241,7 @@ def main():
             fn()
         ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
         if args.timeline:
-            print(f"  timeline {label}: {timeline(graph.replay)}", flush=True)
+            print(f"  timeline {label}: {timeline(graph.replay, warm=warmer(q))}", flush=True)
         return ms
 
     warm = torch.randn(1, 1, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -237,7 +259,7 @@ def main():
         v = torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), enable_gqa=True).transpose(1, 2)
-        sdpa = graph_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), "sdpa")
+        sdpa = graph_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), "sdpa", q)
         print(f"{args.layer} B{b} {nk // 1024}k sdpa {sdpa * 1e3:.1f} us", flush=True)
         splits = [int(s) for s in args.splits.split(",")] if b == 1 else [0]
         for split_text, combine_text in variants:
@@ -254,7 +276,7 @@ def main():
                 err = (call().float() - ref).abs().max().item()
                 for other in set(cache._entries) - before:  # the route took a launcher the probe did not set
                     print(f"  note: the call also loaded {other.short_name()}", flush=True)
-                ms = graph_ms(call, f"{split_text}/{combine_text} S={s or 'auto'}")
+                ms = graph_ms(call, f"{split_text}/{combine_text} S={s or 'auto'}", q)
                 print(f"{args.layer} B{b} {nk // 1024}k {split_text}/{combine_text} S={s or 'auto'}: "
                       f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
 
