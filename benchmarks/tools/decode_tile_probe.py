@@ -165,6 +165,48 @@ def timeline(replay, calls: int = 50, warm=None) -> str:
     return " ".join(parts)
 
 
+def dense_slots(layer: str, q, k, v, splits: int):
+    """FA4's split launch without an index (the route's next step for one sequence, docs/benchmarks.md): the S
+    splits as one dense forward of batch S on the decode tile, q ``[1, 1, Hq, D]`` read through a batch stride of 0,
+    the keys ``k [1, Nk, Hkv, D]`` as ``[S, Nk / S, Hkv, D]`` through a batch stride of Nk / S rows (no copy), then
+    the shipped combine (PDL, the chunk for S). Returns the call ``() -> out [1, 1, Hq, Dv]``; Nk a multiple of
+    64 S."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from xattn.core.spec import KernelSpec
+    from xattn.core.split_kv import CombineSpec, SplitFwdSpec, combine_chunk
+    from xattn.torch import ops
+
+    family, hq, hkv, d = LAYERS[layer]
+    nk = k.shape[1]
+    if family != "fa4" or q.shape[:2] != (1, 1) or nk % (64 * splits):
+        raise SystemExit(f"--dense-slots: FA4, B1 q_len 1, Nk a multiple of 64 x {splits}; got {layer} {tuple(q.shape)}"
+                         f" Nk {nk}")
+    chunk = nk // splits
+    q_slots = q.as_strided((splits, 1, hq, d), (0, *q.stride()[1:]), q.storage_offset())
+    k_slots, v_slots = (t[0].as_strided((splits, chunk, hkv, d), (chunk * t.stride(1), *t.stride()[1:]))
+                        for t in (k, v))
+    spec, problem = ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1)
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(KernelSpec)}
+    tiled = SplitFwdSpec(**fields, tile_m=64, tile_n=64)
+    cspec = CombineSpec(family, "bfloat16", d, combine_chunk(splits))
+    out_p = torch.empty((splits, 1, hq, d), dtype=q.dtype, device=q.device)
+    lse_p = torch.empty((splits, hq, 1), dtype=torch.float32, device=q.device)
+    out = torch.empty((1, 1, hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((1, hq, 1), dtype=torch.float32, device=q.device)
+    scale = 1 / math.sqrt(d)
+
+    def call():
+        ops.LAUNCH["fwd"]((tiled, problem), q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale=scale)
+        ops.LAUNCH["combine"](cspec, out_p.unsqueeze(1), lse_p.unsqueeze(1).transpose(2, 3), out, lse.permute(0, 2, 1))
+        return out
+
+    return call, tiled
+
+
 def _install(spec, function):
     from xattn.core import cache
 
@@ -179,6 +221,8 @@ def main():
     ap.add_argument("--splits", default="0", help="num_splits values for B1 (B>1: 0)")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="profile the graph replays kernel by kernel")
+    ap.add_argument("--dense-slots", type=int, default=0, help="B1 shapes: also time FA4's split launch without an "
+                    "index, as a dense forward over this many slots (dense_slots)")
     ap.add_argument("--warm", default="", help="with --timeline: after each flush read these back into L2 first: "
                     "'q' (the call's queries, which a model's previous kernel has just written), 'index' (the split "
                     "launch's cu_seqlens), comma-separated")
@@ -279,6 +323,14 @@ def main():
                 ms = graph_ms(call, f"{split_text}/{combine_text} S={s or 'auto'}", q)
                 print(f"{args.layer} B{b} {nk // 1024}k {split_text}/{combine_text} S={s or 'auto'}: "
                       f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
+        if args.dense_slots and b == 1:
+            call, tiled = dense_slots(args.layer, q, k, v, args.dense_slots)
+            for key in ckeys:  # the shipped combine (this probe's variants replaced the table's launchers)
+                cache._entries.pop(key, None)
+            err = (call().float() - ref).abs().max().item()
+            ms = graph_ms(call, f"dense-slots S={args.dense_slots}", q)
+            print(f"{args.layer} B{b} {nk // 1024}k dense-slots S={args.dense_slots} ({tiled.short_name()}): "
+                  f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":
