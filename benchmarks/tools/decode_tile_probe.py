@@ -8,6 +8,7 @@ variant's out is checked against fp32 SDPA before it is timed.
 
     python benchmarks/tools/decode_tile_probe.py [--layer d128|d512] [--shapes B:NK,...]
         [--variants SPLIT/COMBINE,...] [--splits 0,8,16,32] [--compile-only] [--timeline [--warm q,index]]
+        [--dense-slots S]
 
 A variant is ``SPLIT/COMBINE``. SPLIT (FA4 d128 only; d512 keeps the shipped FFPA launch: ``shipped``): ``shipped``,
 or a tile ``MxN`` / ``MxNsK`` (K pipeline stages for K and V, default FlashAttention's 2) of FlashAttention's sm90
@@ -24,6 +25,8 @@ replay's time goes on the GPU: from the flush's end to the first kernel, each ke
 the next one (medians), and the span from the flush's end to the last kernel's end; ``--warm q,index`` first reads
 the queries and/or the split launch's index tensors back into L2 after each flush (a model's decode step finds q in
 L2, just written; the split launch reads its index before its first key: a dependent round trip to memory when cold).
+``--dense-slots S`` (B1, FA4) also times the split launch without an index (:func:`dense_slots`), q by TMA and by
+copies.
 """
 
 from __future__ import annotations
@@ -165,12 +168,38 @@ def timeline(replay, calls: int = 50, warm=None) -> str:
     return " ".join(parts)
 
 
-def dense_slots(layer: str, q, k, v, splits: int):
+def compile_dense_copy_q(spec):
+    """FlashAttention's dense sm90 forward for ``spec`` (its decode tile) with q loaded by copies, not TMA (a TMA
+    descriptor may refuse q's batch stride of 0)."""
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+    from xattn.core import fa4_sm90
+    from xattn.core.symbolic import CUTE_DTYPES, Dims, compile_launcher
+
+    class CopyQ(FlashAttentionForwardSm90):
+        @property
+        def use_tma_Q(self):
+            return False
+
+        @use_tma_Q.setter
+        def use_tma_Q(self, value):  # FlashAttention's __init__ / __call__ set it
+            pass
+
+    cfg = fa4_sm90._tile_size_fwd_sm90(spec.head_dim, spec.head_dim_v, spec.causal, spec.is_local)
+    g = spec.qhead_per_kvhead
+    kernel = CopyQ(CUTE_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, g, is_causal=False, is_local=False,
+                   pack_gqa=g > 1, tile_m=spec.tile_m, tile_n=spec.tile_n, num_stages=2, num_threads=spec.num_threads,
+                   Q_in_regs=False, intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
+    dims = Dims(spec)
+    return compile_launcher(fa4_sm90._DenseFwd(kernel, spec), (*dims.qkv(), *dims.out_lse()))
+
+
+def dense_slots(layer: str, q, k, v, splits: int, copy_q: bool = False):
     """FA4's split launch without an index (the route's next step for one sequence, docs/benchmarks.md): the S
-    splits as one dense forward of batch S on the decode tile, q ``[1, 1, Hq, D]`` read through a batch stride of 0,
-    the keys ``k [1, Nk, Hkv, D]`` as ``[S, Nk / S, Hkv, D]`` through a batch stride of Nk / S rows (no copy), then
-    the shipped combine (PDL, the chunk for S). Returns the call ``() -> out [1, 1, Hq, Dv]``; Nk a multiple of
-    64 S."""
+    splits as one dense forward of batch S on the decode tile, q ``[1, 1, Hq, D]`` read through a batch stride of 0
+    (by TMA, or with ``copy_q`` by copies: :func:`compile_dense_copy_q`), the keys ``k [1, Nk, Hkv, D]`` as ``[S,
+    Nk / S, Hkv, D]`` through a batch stride of Nk / S rows (no copy), then the shipped combine (PDL, the chunk for
+    S). Returns ``(call, key)``: ``call() -> out [1, 1, Hq, Dv]``; Nk a multiple of 64 S."""
     import dataclasses
     import math
 
@@ -192,6 +221,9 @@ def dense_slots(layer: str, q, k, v, splits: int):
     spec, problem = ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(KernelSpec)}
     tiled = SplitFwdSpec(**fields, tile_m=64, tile_n=64)
+    if copy_q:  # its own key (the source field names it), compiled here
+        tiled = dataclasses.replace(tiled, source="probe: q by copies")
+        _install(tiled, compile_dense_copy_q(tiled))
     cspec = CombineSpec(family, "bfloat16", d, combine_chunk(splits))
     out_p = torch.empty((splits, 1, hq, d), dtype=q.dtype, device=q.device)
     lse_p = torch.empty((splits, hq, 1), dtype=torch.float32, device=q.device)
@@ -323,14 +355,20 @@ def main():
                 ms = graph_ms(call, f"{split_text}/{combine_text} S={s or 'auto'}", q)
                 print(f"{args.layer} B{b} {nk // 1024}k {split_text}/{combine_text} S={s or 'auto'}: "
                       f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
-        if args.dense_slots and b == 1:
-            call, tiled = dense_slots(args.layer, q, k, v, args.dense_slots)
+        for copy_q in (False, True) if args.dense_slots and b == 1 else ():
+            label = f"dense-slots{'-copyq' * copy_q} S={args.dense_slots}"
             for key in ckeys:  # the shipped combine (this probe's variants replaced the table's launchers)
                 cache._entries.pop(key, None)
-            err = (call().float() - ref).abs().max().item()
-            ms = graph_ms(call, f"dense-slots S={args.dense_slots}", q)
-            print(f"{args.layer} B{b} {nk // 1024}k dense-slots S={args.dense_slots} ({tiled.short_name()}): "
-                  f"{ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), out err {err:.2e}", flush=True)
+            try:
+                call, _ = dense_slots(args.layer, q, k, v, args.dense_slots, copy_q)
+                err = (call().float() - ref).abs().max().item()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (a refused TMA descriptor: report it, time the other variant)
+                print(f"{args.layer} B{b} {nk // 1024}k {label}: failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            ms = graph_ms(call, label, q)
+            print(f"{args.layer} B{b} {nk // 1024}k {label}: {ms * 1e3:.1f} us ({ms / sdpa:.3f} of sdpa), "
+                  f"out err {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":
