@@ -254,7 +254,7 @@ def combine_chunk(partials: int) -> int:
     them all (one round trip to memory), else the largest (chunks in turn). The kernel's code grows with its chunk,
     and a chunk past P costs time though its extra loads are skipped (H100, d128, CUDA graph, L2 flushed: at 2
     partials chunk 4 runs 2.1 us, chunk 16 3.1; at 16 partials chunk 16 3.3 us, chunk 4 3.7; docs/benchmarks.md,
-    "The combine's chunk")."""
+    "The one-pass combine: its chunk and PDL")."""
     return next((c for c in COMBINE_CHUNKS if c >= partials), COMBINE_CHUNKS[-1])
 
 
