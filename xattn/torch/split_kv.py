@@ -404,10 +404,12 @@ def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slot
     nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * slots.chunk
     checked = split_kv.split_launch(ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1))
     tail_q = tail_k = tail_checked = None
-    if slots.rest:
-        tail_q, tail_k = outside_graph_pools(lambda: (  # device arithmetic (a few kernels; capturable)
+    if slots.rest and _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): device arithmetic
+        tail_q, tail_k = outside_graph_pools(lambda: (
             (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])),
             dev)
+    elif slots.rest:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy
+        tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
         tail_checked = ops._checked("fwd", family, q_rest, kf, vf, plan.tail, -1, -1, tail_q, tail_k, nq, nk - first)
     combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1],
                           split_kv.combine_chunk(slots.partials))
