@@ -367,7 +367,7 @@ def split_launch_spec(spec: KernelSpec, shared_q: bool = False) -> KernelSpec:
     contiguous = spec.varlen and spec.page_size is None
     paged = not spec.varlen and tile is not None and spec.page_size == tile[1]
     if (tile is None or spec.family != "fa4" or type(spec) is not KernelSpec or spec.direction != "fwd"
-            or spec.causal or spec.is_local or not (contiguous or paged or spec.page_size is None)):
+            or spec.causal or spec.is_local or not (paged or spec.page_size is None)):  # paged, varlen or dense
         return spec
     return _tiled(spec, tile, shared_q and contiguous and spec.qhead_per_kvhead > 1)
 
