@@ -7,6 +7,7 @@ only packed FFPA configurations, whose every serving backward route (GEMM ones o
 forced; ``@decode`` recasts dense draws as decoding steps on long caches, so the forced split route splits."""
 
 import dataclasses
+import random
 
 import pytest
 
@@ -36,12 +37,9 @@ DECODE_QUERIES = (1, 1, 2, 4, 7, 16)
 
 def _decoding(cfg, seed: int):
     """``cfg`` (dense) as a decoding step: a few queries on a long cache, the same entry, heads and layouts."""
-    import random
-
     rng = random.Random(seed)
-    keys = [n for n in DECODE_KEYS if n in space._JAX_N] if cfg.front_end == "jax" else DECODE_KEYS
-    queries = [n for n in DECODE_QUERIES if n in space._JAX_N] if cfg.front_end == "jax" else DECODE_QUERIES
-    return dataclasses.replace(cfg, seqlen_q=rng.choice(queries), seqlen_k=rng.choice(keys))
+    sizes = (lambda ns: [n for n in ns if n in space._JAX_N]) if cfg.front_end == "jax" else (lambda ns: ns)
+    return dataclasses.replace(cfg, seqlen_q=rng.choice(sizes(DECODE_QUERIES)), seqlen_k=rng.choice(sizes(DECODE_KEYS)))
 
 
 def _configs(name: str) -> list:
