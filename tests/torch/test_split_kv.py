@@ -56,19 +56,24 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("capturing", [False, True], ids=["host-lists", "device-arithmetic"])
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
 @pytest.mark.parametrize("family, d", [("ffpa", 16), ("fa4", 128)])
 @pytest.mark.parametrize("nq, nk, causal, splits", [
     (4, 900, True, 3), (16, 1000, True, 7), (2, 2051, True, 5), (3, 131, True, 2), (5, 6, True, 4),  # a causal tail
     (1, 700, True, 3), (1, 1536, True, 3), (1, 5, False, 4), (3, 1001, False, 6),  # keys left over, or none
 ])
-def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, splits, monkeypatch):
+def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, splits, capturing, monkeypatch):
     """B = 1 (no tail, or a causal tail in place): the splits are one dense launch reading q through a batch stride
     of 0 (no copy of q per slot) and equal key chunks through a strided view of the cache; the causal tail, or the
-    keys left over, run beside it into one more slot (none when S divides the keys). FA4 d128: its decode tile."""
+    keys left over, run beside it into one more slot (none when S divides the keys). FA4 d128: its decode tile.
+    ``capturing``: the launch beside set up as under CUDA-graph capture (its cu_seqlens by device arithmetic)."""
     from xattn.core.split_kv import SplitFwdSpec
     from xattn.torch import ops
+    from xattn.torch import split_kv as torch_split_kv
 
+    monkeypatch.setattr(torch_split_kv, "_capturing", lambda device: capturing)
+    monkeypatch.setattr(torch_split_kv, "_SETUPS", type(torch_split_kv._SETUPS)(256))  # set up afresh, this way
     seen, fwd = [], ops.LAUNCH["fwd"]
     monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, q, k, *a, **kw: (seen.append((checked[0], q, k)),
                                                                             fwd(checked, q, k, *a, **kw))[1])

@@ -410,6 +410,7 @@ def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slot
             dev)
     elif slots.rest:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy
         tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
+    if slots.rest:
         tail_checked = ops._checked("fwd", family, q_rest, kf, vf, plan.tail, -1, -1, tail_q, tail_k, nq, nk - first)
     combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1],
                           split_kv.combine_chunk(slots.partials))
