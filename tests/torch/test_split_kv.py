@@ -48,7 +48,7 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     ref_out, ref_lse = ref_attention(q, k, v, scale=16 ** -0.5, causal=causal)
     assert ("combine", "ffpa") in CALLS, "the split route did not run"
     slots = split_kv.slot_launch(split_kv.plan_splits(splits, causal, nq, nk), "ffpa", b, nk, nq)
-    beside = bool(slots.rest) if slots else causal and nq > 1  # the causal tail, or a slot launch's keys left over
+    beside = bool(slots.rest) if slots else causal and nq > 1  # the causal tail beside the splits
     assert sum(c == ("fwd", "ffpa") for c in CALLS) == 1 + beside
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)  # the partial lse is fp32
     finite = torch.isfinite(ref_lse)
@@ -64,9 +64,9 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     (1, 700, True, 3), (1, 1536, True, 3), (1, 5, False, 4), (3, 1001, False, 6),  # keys left over, or none
 ])
 def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, splits, capturing, monkeypatch):
-    """B = 1 (no tail, or a causal tail in place): the splits are one dense launch reading q through a batch stride
-    of 0 (no copy of q per slot) and equal key chunks through a strided view of the cache; the causal tail, or the
-    keys left over, run beside it into one more slot (none when S divides the keys). FA4 d128: its decode tile.
+    """B = 1, S dividing the keys or FFPA's causal tail in place: the splits are one dense launch reading q through a
+    batch stride of 0 (no copy of q per slot) and equal key chunks through a strided view of the cache; the tail runs
+    beside it into one more slot. Keys left over, or FA4's tail: the varlen launch. FA4 d128: its decode tile.
     ``capturing``: the launch beside set up as under CUDA-graph capture (its cu_seqlens by device arithmetic)."""
     from xattn.core.split_kv import SplitFwdSpec
     from xattn.torch import ops
@@ -79,35 +79,39 @@ def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, sp
                                                                             fwd(checked, q, k, *a, **kw))[1])
     q, k, v = _decode_inputs(1, nq, 8, 2, nk, d, layout, seed=nk + nq)
     out, lse = xt.attention_with_lse(q, k, v, causal=causal, family=family, num_splits=splits)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
     dense = [x for x in seen if not x[0].varlen]
     plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
     tail = causal and nq > 1
+    launch = split_kv.slot_launch(plan, family, 1, nk, nq)
+    if launch is None:  # keys left over without a tail, or FA4's tail: the varlen launch
+        assert not dense and (tail and family == "fa4" or nk % plan.splits)
+        return
     assert len(dense) == 1 and not dense[0][0].causal
     assert isinstance(dense[0][0], SplitFwdSpec) == (family == "fa4")  # FA4 d128: split_kv.SPLIT_TILES
     spec, q_slots, k_slots = dense[0]
     slots, chunk = k_slots.shape[:2]
     assert q_slots.shape == (slots, nq, 8, d) and q_slots.stride(0) == 0 and q_slots.data_ptr() == q.data_ptr()
     assert k_slots.data_ptr() == k.data_ptr() and k_slots.stride(0) == chunk * k.stride(1)  # views, no copies
-    launch = split_kv.slot_launch(plan, family, 1, nk, nq)
     assert (slots, chunk) == (plan.splits, launch.chunk) and launch.rest == nk - slots * chunk
-    assert nq <= launch.rest < nq + slots if tail else 0 <= launch.rest < slots  # the tail's keys / the leftover
+    assert nq <= launch.rest < nq + slots if tail else launch.rest == 0  # the tail's keys; no keys left over
     beside = [x for x in seen if x[0].varlen]
-    assert len(beside) == (launch.rest > 0) and all(x[0].causal == tail for x in beside)
+    assert len(beside) == tail and all(x[0].causal for x in beside)
     assert len(seen) == 1 + len(beside)
-    ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=causal)
-    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
 
 
-def test_the_slot_launch_takes_one_sequence_without_a_tail_or_with_it_in_place():
+def test_the_slot_launch_takes_one_sequence_split_evenly_or_with_ffpas_tail_in_place():
     plan = split_kv.plan_splits(8, True, 4, 4096)
     assert split_kv.slot_launch(plan, "ffpa", 1, 4096, 4) == split_kv.SlotLaunch(4092 // 8, 4096 - 8 * 511, 9)
-    assert split_kv.slot_launch(plan, "fa4", 1, 4096, 4).chunk == 511
+    assert split_kv.slot_launch(plan, "fa4", 1, 4096, 4) is None  # FA4's tail: split_kv.TAIL_SLOT_FAMILIES
     assert split_kv.slot_launch(plan, "ffpa", 2, 4096, 4) is None  # two sequences: q once per slot, or shared_q
     assert split_kv.slot_launch(split_kv.plan_splits(8, False, 4, 4096), "ffpa", 1, 4096, 4) == \
         split_kv.SlotLaunch(512, 0, 8)  # S divides the keys: nothing beside
-    assert split_kv.slot_launch(split_kv.plan_splits(3, False, 1, 700), "fa4", 1, 700, 1) == \
-        split_kv.SlotLaunch(233, 1, 4)
+    assert split_kv.slot_launch(split_kv.plan_splits(4, False, 1, 1024), "fa4", 1, 1024, 1) == \
+        split_kv.SlotLaunch(256, 0, 4)
+    assert split_kv.slot_launch(split_kv.plan_splits(3, False, 1, 700), "fa4", 1, 700, 1) is None  # a key left over
     assert split_kv.slot_launch(split_kv.plan_splits(8, True, 4, None), "ffpa", 1, 4096, 4) is None  # lengths per call
     assert split_kv.slot_launch(split_kv.plan_splits(2, True, 5, 3), "ffpa", 1, 3, 5) is None  # tail longer than keys
 

@@ -27,11 +27,11 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
    ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
    A row no key reaches gets out 0, lse -inf, as the fused kernels.
 
-**Slot launch** (one sequence, a filled plan, no tail or one in place: :func:`slot_launch`): the splits run as the
-dense forward of batch S instead, q read once per slot through a batch stride of 0 (no copy of q), keys through a
-strided view of equal chunks: no index read before the first key (a varlen launch reads its ``cu_seqlens`` first, a
-dependent round trip to memory on a decode step's critical path); the causal tail, or the few keys left over, run
-beside it into one more slot.
+**Slot launch** (one sequence, a filled plan, S dividing the keys or FFPA's tail in place: :func:`slot_launch`): the
+splits run as the dense forward of batch S instead, q read once per slot through a batch stride of 0 (no copy of q),
+keys through a strided view of equal chunks: no index read before the first key (a varlen launch reads its
+``cu_seqlens`` first, a dependent round trip to memory on a decode step's critical path); a causal tail runs beside
+it into one more slot.
 
 **Packed queries** (varlen: ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_q/k``, at most Nq =
 ``max_seqlen_q`` <= :data:`MAX_DECODE_QUERIES` queries per document: vLLM's and HF continuous batching's decode
@@ -61,8 +61,8 @@ from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 
 __all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
            "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_launch", "SlotLaunch",
-           "SLOT_FAMILIES", "shared_queries", "combine_chunk", "COMBINE_CHUNKS", "MAX_DECODE_QUERIES",
-           "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
+           "SLOT_FAMILIES", "TAIL_SLOT_FAMILIES", "shared_queries", "combine_chunk", "COMBINE_CHUNKS",
+           "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -137,12 +137,13 @@ def splits_only(plan: SplitPlan) -> SplitPlan:
 
 
 SLOT_FAMILIES = ("ffpa", "fa4")  # whose dense forward runs the slot launch (FA4's on its decode tile)
+TAIL_SLOT_FAMILIES = ("ffpa",)  # whose slot launch also takes a causal tail beside it (FA4's: not yet measured)
 
 
 @dataclass(frozen=True)
 class SlotLaunch:
     """The **slot launch** of one sequence (:func:`slot_launch`): ``chunk`` keys per split (``c``), ``rest`` keys
-    from ``S c`` on for the launch beside it (0: none), ``partials`` slots (``P``: S, + 1 with a launch beside)."""
+    from ``S c`` on for the causal tail beside it (0: none), ``partials`` slots (``P``: S, + 1 with a tail)."""
 
     chunk: int
     rest: int
@@ -150,19 +151,27 @@ class SlotLaunch:
 
 
 def slot_launch(plan: SplitPlan, family: str, batch: int, length: int, seqlen_q: int) -> SlotLaunch | None:
-    """How the splits of one sequence of ``length`` keys run as the **slot launch**, or ``None`` where it does not
-    apply (two or more sequences, lengths per sequence, a plan with an empty split or a tail not in place, a family
-    outside :data:`SLOT_FAMILIES`). The split launch is then the family's dense non-causal forward over S slots
-    (batch S, no index to read before the first key): every slot reads q's own Nq rows through a batch stride of 0
-    (no copy of q per slot) and slot s the keys ``[s c, (s + 1) c)``, ``c = F // S`` of the ``F`` keys every query
-    sees, through a batch stride of c rows (no copy of the cache). The keys from ``S c`` on run beside it into slot
-    S: the causal tail (Nq to Nq + S - 1 keys: its bottom-right alignment lets every query see the ones before its
-    causal part), else the ``F - S c < S`` keys left over, non-causal (none when S divides F)."""
-    if family not in SLOT_FAMILIES or batch != 1 or not plan.filled or (plan.tail and not plan.tail_in_place(batch)):
+    """How the splits of one sequence of ``length`` keys run as the **slot launch**, or ``None`` where the varlen
+    launch runs them. The split launch is then the family's dense non-causal forward over S slots (batch S, no index
+    to read before the first key): every slot reads q's own Nq rows through a batch stride of 0 (no copy of q per
+    slot) and slot s the keys ``[s c, (s + 1) c)``, ``c = F // S`` of the ``F`` keys every query sees, through a
+    batch stride of c rows (no copy of the cache). It applies to one sequence with a filled plan and either
+
+    * no causal tail and S dividing F (:data:`SLOT_FAMILIES`): the keys split evenly, nothing runs beside, or
+    * a causal tail in place (:data:`TAIL_SLOT_FAMILIES`): the keys from ``S c`` on (Nq to Nq + S - 1: its
+      bottom-right alignment lets every query see the ones before its causal part) run beside it into slot S.
+
+    Keys left over without a tail (S not dividing F) stay on the varlen launch: a launch beside for them measured
+    slower (H100, d128 B1, 8200 keys, 10 left over: 0.0296 ms under a CUDA graph, SDPA 0.0268; 8192 keys 0.0249)."""
+    if family not in SLOT_FAMILIES or batch != 1 or not plan.filled:
+        return None
+    if plan.tail and (family not in TAIL_SLOT_FAMILIES or not plan.tail_in_place(batch)):
         return None
     full = _full_keys(length, seqlen_q, plan.tail)
     chunk = full // plan.splits  # >= 1: a filled plan has at most one split per key
     rest = length - plan.splits * chunk
+    if rest and not plan.tail:
+        return None
     return SlotLaunch(chunk, rest, plan.splits + int(rest > 0))
 
 

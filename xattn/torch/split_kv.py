@@ -368,8 +368,7 @@ def _slot_split(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q: Ten
     """:func:`_split` as the slot launch (:func:`xattn.core.split_kv.slot_launch`): q ``[1, Nq, Hq, D]``, the keys
     ``kf/vf [Nk, Hkv, D]``; the S splits are the dense forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on
     ``k_slots [S, chunk, Hkv, D]`` (batch stride ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq,
-    Dv]`` / ``lse_p [P, Hq, Nq]``; the causal tail or the keys left over beside them write slot S (its varlen layouts
-    are the same rows)."""
+    Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail beside them writes slot S (its varlen layouts are the same rows)."""
     nq, hq, d = q.shape[1:]
     dv, s, chunk = vf.shape[-1], plan.splits, slots.chunk
     q_slots = q.as_strided((s, nq, hq, d), (0, *q.stride()[1:]), q.storage_offset())
@@ -381,7 +380,7 @@ def _slot_split(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q: Ten
     lse_p = torch.empty((slots.partials, hq, nq), dtype=torch.float32, device=q.device)
     side = Side(q.device) if slots.rest else None
     if side:
-        with side.fork():  # the causal tail or the keys left over, beside the splits, into slot S
+        with side.fork():  # the causal tail beside the splits, into slot S
             ops.LAUNCH["fwd"](setup.tail_checked, q_rest, kf, vf, out_p[s], lse_p[s], softmax_scale=scale,
                               cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
                               max_seqlen_k=setup.tail_max_k)
