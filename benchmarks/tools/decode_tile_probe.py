@@ -26,7 +26,8 @@ the next one (medians), and the span from the flush's end to the last kernel's e
 the queries and/or the split launch's index tensors back into L2 after each flush (a model's decode step finds q in
 L2, just written; the split launch reads its index before its first key: a dependent round trip to memory when cold).
 ``--dense-slots S`` (B1, FA4) also times the split launch without an index (:func:`dense_slots`), q by TMA and by
-copies.
+copies. Since session 28 the route itself runs one sequence so (the slot launch, :func:`xattn.core.split_kv.
+slot_launch`): at B1 the SPLIT variants replace nothing (they are the varlen launch's, B > 1).
 """
 
 from __future__ import annotations
@@ -320,8 +321,8 @@ def main():
             print(f"  timeline {label}: {timeline(graph.replay, warm=warmer(q))}", flush=True)
         return ms
 
-    warm = torch.randn(1, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-    warm_kv = torch.randn(1, 4096, hkv, d, device="cuda", dtype=torch.bfloat16)
+    warm = torch.randn(2, 1, hq, d, device="cuda", dtype=torch.bfloat16)  # B2: the varlen split launch (B1: slots)
+    warm_kv = torch.randn(2, 4096, hkv, d, device="cuda", dtype=torch.bfloat16)
     xt.attention(warm, warm_kv, warm_kv, causal=True, num_splits=2)  # the shipped launchers, from the disk cache
     if spec not in cache._entries:
         raise SystemExit(f"the route did not load {spec.short_name()}; it loaded "

@@ -78,7 +78,8 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 1, varlen=True)),
     split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, page_size=64)),  # paged: TMA per 64-key page
     split_launch_spec(KernelSpec("fa4", "fwd", "float16", 128, 128, 8, page_size=64, kv_heads_first=True)),
-    split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True), shared_q=True))]  # q as it is
+    split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4, varlen=True), shared_q=True),  # q as it is
+    split_launch_spec(KernelSpec("fa4", "fwd", "bfloat16", 128, 128, 4)))]  # the slot launch: dense, one sequence
 # The split-KV route's combine (xattn.core.combine_sm90): whole rows per CTA at Dv 128 / 512, a CTA of one row's
 # threads not a power of two at Dv 384, several such rows at Dv 96; every chunk the route picks.
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (

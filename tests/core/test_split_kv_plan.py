@@ -132,7 +132,10 @@ def test_fa4_d128_split_launch_takes_the_decode_tile_and_nothing_else_does():
     stems = {disk_cache.entry_stem(s) for s in (base, tiled)}
     assert len(stems) == 2 and all(re.match(disk_cache._STEM, x) for x in stems)
     assert split_kv.split_launch((base, "problem")) == (tiled, "problem")
-    for other in (dataclasses.replace(base, causal=True), dataclasses.replace(base, varlen=False),
+    dense = split_kv.split_launch_spec(dataclasses.replace(base, varlen=False))  # the slot launch's (one sequence)
+    assert isinstance(dense, split_kv.SplitFwdSpec) and not dense.varlen and not dense.shared_q
+    assert dense.short_name() == "fa4_fwd_bfloat16_d128x128_g4_full_dense_t64x64_sm_90a"
+    for other in (dataclasses.replace(base, causal=True), dataclasses.replace(base, varlen=False, causal=True),
                   dataclasses.replace(base, family="ffpa", head_dim=512, head_dim_v=512),
                   dataclasses.replace(base, head_dim=256, head_dim_v=256), dataclasses.replace(base, window_left=64),
                   dataclasses.replace(base, page_size=64), dataclasses.replace(base, direction="bwd"), tiled,

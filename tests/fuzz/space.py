@@ -131,8 +131,8 @@ def launcher_pool() -> list[KernelSpec]:
 def split_launchers() -> list:
     """The launchers the split-KV forward of the pool's entries (dense and packed) runs when the fuzz forces it:
     the family's varlen forward (non-causal splits, with the decode tile where the core has one, on q as it is where
-    :func:`xattn.core.split_kv.shared_queries` holds, else on q once per slot; causal tail), the
-    slot launch's dense non-causal forward (:func:`xattn.core.split_kv.slot_chunk`) and the combine
+    :func:`xattn.core.split_kv.shared_queries` holds, else on q once per slot; causal tail), the slot launch's
+    dense non-causal forward (:func:`xattn.core.split_kv.slot_launch`, FA4's on its decode tile) and the combine
     (:mod:`xattn.core.split_kv`)."""
     import dataclasses
 
@@ -144,7 +144,7 @@ def split_launchers() -> list:
             out += [split_launch_spec(dataclasses.replace(s, varlen=True, causal=c)) for c in (False, True)]
             out.append(split_launch_spec(dataclasses.replace(s, varlen=True, causal=False), shared_q=True))
             if s.family in SLOT_FAMILIES:
-                out.append(dataclasses.replace(s, varlen=False, causal=False))
+                out.append(split_launch_spec(dataclasses.replace(s, varlen=False, causal=False)))
             out += [CombineSpec(s.family, s.dtype, s.head_dim_v, c) for c in COMBINE_CHUNKS]
     return list(dict.fromkeys(out))
 

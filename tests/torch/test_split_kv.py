@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import xattn.torch as xt
-from xattn.core import routes
+from xattn.core import routes, split_kv
 from tests.reference import attention as ref_attention, varlen_attention as ref_varlen
 
 from . import stubs
@@ -47,55 +47,81 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     out, lse = xt.attention_with_lse(q, k, v, causal=causal, family="ffpa", num_splits=splits)
     ref_out, ref_lse = ref_attention(q, k, v, scale=16 ** -0.5, causal=causal)
     assert ("combine", "ffpa") in CALLS, "the split route did not run"
-    assert sum(c == ("fwd", "ffpa") for c in CALLS) == 1 + (causal and nq > 1)
+    slots = split_kv.slot_launch(split_kv.plan_splits(splits, causal, nq, nk), "ffpa", b, nk, nq)
+    beside = bool(slots.rest) if slots else causal and nq > 1  # the causal tail beside the splits
+    assert sum(c == ("fwd", "ffpa") for c in CALLS) == 1 + beside
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)  # the partial lse is fp32
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("capturing", [False, True], ids=["host-lists", "device-arithmetic"])
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
-@pytest.mark.parametrize("nq, nk, splits", [(4, 900, 3), (16, 1000, 7), (2, 2051, 5), (3, 131, 2), (5, 6, 4)])
-def test_one_sequence_with_a_causal_tail_runs_the_slot_launch(layout, nq, nk, splits, monkeypatch):
-    """FFPA, B = 1, a causal tail in place: the splits are one dense launch reading q through a batch stride of 0
-    (no copy of q per slot) and equal key chunks through a strided view of the cache; the tail takes the rest."""
-    from xattn.core import split_kv
+@pytest.mark.parametrize("family, d", [("ffpa", 16), ("fa4", 128)])
+@pytest.mark.parametrize("nq, nk, causal, splits", [
+    (4, 900, True, 3), (16, 1000, True, 7), (2, 2051, True, 5), (3, 131, True, 2), (5, 6, True, 4),  # a causal tail
+    (1, 700, True, 3), (1, 1536, True, 3), (1, 5, False, 4), (3, 1001, False, 6),  # keys left over, or none
+])
+def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, splits, capturing, monkeypatch):
+    """B = 1, S dividing the keys or FFPA's causal tail in place: the splits are one dense launch reading q through a
+    batch stride of 0 (no copy of q per slot) and equal key chunks through a strided view of the cache; the tail runs
+    beside it into one more slot. Keys left over, or FA4's tail: the varlen launch. FA4 d128: its decode tile.
+    ``capturing``: the launch beside set up as under CUDA-graph capture (its cu_seqlens by device arithmetic)."""
+    from xattn.core.split_kv import SplitFwdSpec
     from xattn.torch import ops
+    from xattn.torch import split_kv as torch_split_kv
 
+    monkeypatch.setattr(torch_split_kv, "_capturing", lambda device: capturing)
+    monkeypatch.setattr(torch_split_kv, "_SETUPS", type(torch_split_kv._SETUPS)(256))  # set up afresh, this way
     seen, fwd = [], ops.LAUNCH["fwd"]
     monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, q, k, *a, **kw: (seen.append((checked[0], q, k)),
                                                                             fwd(checked, q, k, *a, **kw))[1])
-    q, k, v = _decode_inputs(1, nq, 8, 2, nk, 16, layout, seed=nk + nq)
-    out, lse = xt.attention_with_lse(q, k, v, causal=True, family="ffpa", num_splits=splits)
-    dense = [x for x in seen if not x[0].varlen]
-    assert len(dense) == 1 and len(seen) == 2 and not dense[0][0].causal
-    _, q_slots, k_slots = dense[0]
-    slots, chunk = k_slots.shape[:2]
-    assert q_slots.shape == (slots, nq, 8, 16) and q_slots.stride(0) == 0 and q_slots.data_ptr() == q.data_ptr()
-    assert k_slots.data_ptr() == k.data_ptr() and k_slots.stride(0) == chunk * k.stride(1)  # views, no copies
-    assert chunk == split_kv.slot_chunk(split_kv.plan_splits(splits, True, nq, nk), "ffpa", 1, nk, nq) > 0
-    assert nq <= nk - slots * chunk < nq + slots  # the tail's keys
-    ref_out, ref_lse = ref_attention(q, k, v, scale=16 ** -0.5, causal=True)
+    q, k, v = _decode_inputs(1, nq, 8, 2, nk, d, layout, seed=nk + nq)
+    out, lse = xt.attention_with_lse(q, k, v, causal=causal, family=family, num_splits=splits)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=causal)
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
+    dense = [x for x in seen if not x[0].varlen]
+    plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
+    tail = causal and nq > 1
+    launch = split_kv.slot_launch(plan, family, 1, nk, nq)
+    if launch is None:  # keys left over without a tail, or FA4's tail: the varlen launch
+        assert not dense and (tail and family == "fa4" or nk % plan.splits)
+        return
+    assert len(dense) == 1 and not dense[0][0].causal
+    assert isinstance(dense[0][0], SplitFwdSpec) == (family == "fa4")  # FA4 d128: split_kv.SPLIT_TILES
+    spec, q_slots, k_slots = dense[0]
+    slots, chunk = k_slots.shape[:2]
+    assert q_slots.shape == (slots, nq, 8, d) and q_slots.stride(0) == 0 and q_slots.data_ptr() == q.data_ptr()
+    assert k_slots.data_ptr() == k.data_ptr() and k_slots.stride(0) == chunk * k.stride(1)  # views, no copies
+    assert (slots, chunk) == (plan.splits, launch.chunk) and launch.rest == nk - slots * chunk
+    assert nq <= launch.rest < nq + slots if tail else launch.rest == 0  # the tail's keys; no keys left over
+    beside = [x for x in seen if x[0].varlen]
+    assert len(beside) == tail and all(x[0].causal for x in beside)
+    assert len(seen) == 1 + len(beside)
 
 
-def test_the_slot_launch_is_ffpas_with_one_sequence_and_its_tail_in_place():
-    from xattn.core import split_kv
-
+def test_the_slot_launch_takes_one_sequence_split_evenly_or_with_ffpas_tail_in_place():
     plan = split_kv.plan_splits(8, True, 4, 4096)
-    assert split_kv.slot_chunk(plan, "ffpa", 1, 4096, 4) == 4092 // plan.splits
-    assert split_kv.slot_chunk(plan, "fa4", 1, 4096, 4) == 0  # FA4's split launch: its varlen decode tile
-    assert split_kv.slot_chunk(plan, "ffpa", 2, 4096, 4) == 0  # two sequences: one q copy per slot
-    assert split_kv.slot_chunk(split_kv.plan_splits(8, False, 4, 4096), "ffpa", 1, 4096, 4) == 0  # no tail
-    assert split_kv.slot_chunk(split_kv.plan_splits(8, True, 4, None), "ffpa", 1, 4096, 4) == 0  # lengths per call
+    assert split_kv.slot_launch(plan, "ffpa", 1, 4096, 4) == split_kv.SlotLaunch(4092 // 8, 4096 - 8 * 511, 9)
+    assert split_kv.slot_launch(plan, "fa4", 1, 4096, 4) is None  # FA4's tail: split_kv.TAIL_SLOT_FAMILIES
+    assert split_kv.slot_launch(plan, "ffpa", 2, 4096, 4) is None  # two sequences: q once per slot, or shared_q
+    assert split_kv.slot_launch(split_kv.plan_splits(8, False, 4, 4096), "ffpa", 1, 4096, 4) == \
+        split_kv.SlotLaunch(512, 0, 8)  # S divides the keys: nothing beside
+    assert split_kv.slot_launch(split_kv.plan_splits(4, False, 1, 1024), "fa4", 1, 1024, 1) == \
+        split_kv.SlotLaunch(256, 0, 4)
+    assert split_kv.slot_launch(split_kv.plan_splits(3, False, 1, 700), "fa4", 1, 700, 1) is None  # a key left over
+    assert split_kv.slot_launch(split_kv.plan_splits(8, True, 4, None), "ffpa", 1, 4096, 4) is None  # lengths per call
+    assert split_kv.slot_launch(split_kv.plan_splits(2, True, 5, 3), "ffpa", 1, 3, 5) is None  # tail longer than keys
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
-@pytest.mark.parametrize("b, causal, nq", [(2, False, 1), (2, True, 4), (1, True, 4), (3, True, 3), (1, False, 1)])
+@pytest.mark.parametrize("b, causal, nq", [(2, False, 1), (2, True, 4), (4, True, 2), (3, True, 3), (2, True, 1)])
 def test_fa4_d128_split_launch_runs_the_decode_tile_on_q_as_it_is(layout, b, causal, nq, monkeypatch):
-    """The split launch of FA4 d128 is the core's decode tile (split_kv.SPLIT_TILES) reading q's own B*Nq rows for
-    every slot (shared_q: no copy of q per slot); the causal tail is FlashAttention's own tile."""
+    """The split launch of FA4 d128 (two or more sequences; one takes the slot launch) is the core's decode tile
+    (split_kv.SPLIT_TILES) reading q's own B*Nq rows for every slot (shared_q: no copy of q per slot); the causal
+    tail is FlashAttention's own tile."""
     from xattn.core.split_kv import SplitFwdSpec
     from xattn.torch import ops
 

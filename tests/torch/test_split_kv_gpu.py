@@ -35,6 +35,13 @@ def _decode(b, nq, hq, hkv, nk, d, layout, seed, dtype=torch.bfloat16):
     pytest.param(128, 3, 2, 16, 8, 5001, False, id="d128-B3-q2-g2-shared-q"),
     pytest.param(128, 5, 16, 8, 8, 3000, True, id="d128-B5-q16-g1-tail-shared-q"),
     pytest.param(128, 2, 8, 64, 8, 4100, True, id="d128-B2-q8-g8-tail-shared-q"),
+    # one sequence: the slot launch (dense, q through a batch stride of 0) where S divides the keys, else varlen
+    pytest.param(128, 1, 1, 32, 8, 8192, True, id="d128-B1-slots-divide-the-keys"),
+    pytest.param(128, 1, 1, 32, 8, 8200, True, id="d128-B1-keys-left-over-varlen"),
+    pytest.param(128, 1, 4, 32, 8, 9001, True, id="d128-B1-q4-tail-varlen"),
+    pytest.param(128, 1, 3, 16, 8, 5001, False, id="d128-B1-q3-g2-not-causal-varlen"),
+    pytest.param(256, 1, 1, 32, 16, 7001, True, id="d256-B1-keys-left-over-varlen"),
+    pytest.param(512, 1, 1, 32, 4, 8192, True, id="d512-B1-slots-divide-the-keys"),
 ])
 def test_split_kv_vs_fp64_and_fused(layout, d, b, nq, hq, hkv, nk, causal):
     q, k, v = _decode(b, nq, hq, hkv, nk, d, layout, seed=nk + d)
@@ -60,21 +67,22 @@ def test_auto_route_at_the_issue_shape_splits_and_matches():
     assert rel_err(out, ref_out) < 1e-2
 
 
-@pytest.mark.parametrize("nq", [1, 4], ids=["q1", "q4-causal-tail-on-a-side-stream"])
-def test_split_kv_under_a_cuda_graph(nq):
+@pytest.mark.parametrize("b, nq, d, hkv, nk", [(2, 1, 512, 4, 8192), (2, 4, 512, 4, 8192), (1, 1, 128, 8, 8200)],
+                         ids=["q1", "q4-causal-tail-on-a-side-stream", "d128-B1-keys-left-over-varlen"])
+def test_split_kv_under_a_cuda_graph(b, nq, d, hkv, nk):
     """Captured once (after a warm-up that builds the cu_seqlens), replayed on new values in the same buffers;
     with Nq > 1 the causal tail is a branch of the graph (its second stream)."""
-    q, k, v = _decode(2, nq, 32, 4, 8192, 512, "contiguous", seed=11)
+    q, k, v = _decode(b, nq, 32, hkv, nk, d, "contiguous", seed=11)
     xt.attention(q, k, v, causal=True, num_splits=16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = xt.attention(q, k, v, causal=True, num_splits=16)
     for seed in (12, 13):
-        fresh = _decode(2, nq, 32, 4, 8192, 512, "contiguous", seed=seed)
+        fresh = _decode(b, nq, 32, hkv, nk, d, "contiguous", seed=seed)
         for dst, src in zip((q, k, v), fresh):
             dst.copy_(src)
         graph.replay()
-        ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
+        ref_out, _ = ref_attention(q, k, v, scale=d ** -0.5, causal=True)
         assert rel_err(out, ref_out) < 1e-2
 
 

@@ -27,9 +27,11 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
    ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
    A row no key reaches gets out 0, lse -inf, as the fused kernels.
 
-**Slot launch** (FFPA, one sequence, a causal tail in place: :func:`slot_chunk`): the splits run as the dense
-forward of batch S instead, q read once per slot through a batch stride of 0 (no copy of q: the speculative-decoding
-step of one sequence), keys through a strided view of equal chunks; the tail takes the remainder.
+**Slot launch** (one sequence, a filled plan, S dividing the keys or FFPA's tail in place: :func:`slot_launch`): the
+splits run as the dense forward of batch S instead, q read once per slot through a batch stride of 0 (no copy of q),
+keys through a strided view of equal chunks: no index read before the first key (a varlen launch reads its
+``cu_seqlens`` first, a dependent round trip to memory on a decode step's critical path); a causal tail runs beside
+it into one more slot.
 
 **Packed queries** (varlen: ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_q/k``, at most Nq =
 ``max_seqlen_q`` <= :data:`MAX_DECODE_QUERIES` queries per document: vLLM's and HF continuous batching's decode
@@ -58,9 +60,9 @@ from pathlib import Path
 from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 
 __all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
-           "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_chunk", "SLOT_FAMILIES",
-           "shared_queries", "combine_chunk", "COMBINE_CHUNKS", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT",
-           "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
+           "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_launch", "SlotLaunch",
+           "SLOT_FAMILIES", "TAIL_SLOT_FAMILIES", "shared_queries", "combine_chunk", "COMBINE_CHUNKS",
+           "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
@@ -134,19 +136,43 @@ def splits_only(plan: SplitPlan) -> SplitPlan:
     return SplitPlan(plan.splits, False, plan.chunk, True)
 
 
-SLOT_FAMILIES = ("ffpa",)  # whose dense forward is the split launch's kernel (FA4's has its varlen decode tile)
+SLOT_FAMILIES = ("ffpa", "fa4")  # whose dense forward runs the slot launch (FA4's on its decode tile)
+TAIL_SLOT_FAMILIES = ("ffpa",)  # whose slot launch also takes a causal tail beside it (FA4's: not yet measured)
 
 
-def slot_chunk(plan: SplitPlan, family: str, batch: int, length: int, seqlen_q: int) -> int:
-    """Keys per split ``c`` of the **slot launch**, or 0 where it does not apply: one sequence of ``length`` keys
-    with a causal tail written in place (:meth:`SplitPlan.tail_in_place`), a family of :data:`SLOT_FAMILIES`. The
-    split launch is then the family's dense forward over S slots (batch S): every slot reads q's own Nq rows
-    through a batch stride of 0 (no copy of q per slot) and slot s the keys ``[s c, (s + 1) c)``, ``c = (L - Nq) //
-    S``, through a batch stride of c rows (no copy of the cache); the causal tail takes the keys from ``S c`` on
-    (Nq to Nq + S - 1 of them: its bottom-right alignment lets every query see the ones before its causal part)."""
-    if family not in SLOT_FAMILIES or not plan.tail_in_place(batch):
-        return 0
-    return _full_keys(length, seqlen_q, True) // plan.splits  # >= 1: a filled plan has at most one split per key
+@dataclass(frozen=True)
+class SlotLaunch:
+    """The **slot launch** of one sequence (:func:`slot_launch`): ``chunk`` keys per split (``c``), ``rest`` keys
+    from ``S c`` on for the causal tail beside it (0: none), ``partials`` slots (``P``: S, + 1 with a tail)."""
+
+    chunk: int
+    rest: int
+    partials: int
+
+
+def slot_launch(plan: SplitPlan, family: str, batch: int, length: int, seqlen_q: int) -> SlotLaunch | None:
+    """How the splits of one sequence of ``length`` keys run as the **slot launch**, or ``None`` where the varlen
+    launch runs them. The split launch is then the family's dense non-causal forward over S slots (batch S, no index
+    to read before the first key): every slot reads q's own Nq rows through a batch stride of 0 (no copy of q per
+    slot) and slot s the keys ``[s c, (s + 1) c)``, ``c = F // S`` of the ``F`` keys every query sees, through a
+    batch stride of c rows (no copy of the cache). It applies to one sequence with a filled plan and either
+
+    * no causal tail and S dividing F (:data:`SLOT_FAMILIES`): the keys split evenly, nothing runs beside, or
+    * a causal tail in place (:data:`TAIL_SLOT_FAMILIES`): the keys from ``S c`` on (Nq to Nq + S - 1: its
+      bottom-right alignment lets every query see the ones before its causal part) run beside it into slot S.
+
+    Keys left over without a tail (S not dividing F) stay on the varlen launch: a launch beside for them measured
+    slower (H100, d128 B1, 8200 keys, 10 left over: 0.0296 ms under a CUDA graph, SDPA 0.0268; 8192 keys 0.0249)."""
+    if family not in SLOT_FAMILIES or batch != 1 or not plan.filled:
+        return None
+    if plan.tail and (family not in TAIL_SLOT_FAMILIES or not plan.tail_in_place(batch)):
+        return None
+    full = _full_keys(length, seqlen_q, plan.tail)
+    chunk = full // plan.splits  # >= 1: a filled plan has at most one split per key
+    rest = length - plan.splits * chunk
+    if rest and not plan.tail:
+        return None
+    return SlotLaunch(chunk, rest, plan.splits + int(rest > 0))
 
 
 def _full_keys(length: int, seqlen_q: int, tail: bool) -> int:
@@ -293,9 +319,10 @@ SPLIT_TILES = {(128, 128): (64, 64)}
 @dataclass(frozen=True)
 class SplitFwdSpec(KernelSpec):
     """Compile key of FA4's split launch built with the decode tile ``tile_m x tile_n`` (:data:`SPLIT_TILES`;
-    ``tile_m`` 64 or 128: one MMA warpgroup per 64 query rows): the varlen, non-causal, windowless forward it
-    replaces in every other respect (the same launcher signature, buffers and pre-fills; :mod:`xattn.core.fa4_sm90`
-    builds both), or with ``page_size == tile_n`` the paged split launch's (:mod:`xattn.core.paged_sm90`). With
+    ``tile_m`` 64 or 128: one MMA warpgroup per 64 query rows): the varlen (or, for the slot launch, dense)
+    non-causal, windowless forward it replaces in every other respect (the same launcher signature, buffers and
+    pre-fills; :mod:`xattn.core.fa4_sm90` builds both), or with ``page_size == tile_n`` the paged split launch's
+    (:mod:`xattn.core.paged_sm90`). With
     ``shared_q`` (contiguous only) the launch reads q ``[B*Nq, Hq, D]`` as it is: document ``(b, s)`` loads sequence
     b's rows, so no copy of q per slot (:func:`shared_queries`)."""
 
@@ -342,13 +369,14 @@ def split_launch(checked: tuple, shared_q: bool = False) -> tuple:
 
 
 def split_launch_spec(spec: KernelSpec, shared_q: bool = False) -> KernelSpec:
-    """:func:`split_launch` on the spec alone; also the paged split launch's (dense queries, pages of exactly
-    ``tile_n`` rows, read by TMA: :func:`xattn.core.paged.tma_page_rows` views larger pages as such)."""
+    """:func:`split_launch` on the spec alone; also the slot launch's (the dense forward: :func:`slot_launch`) and
+    the paged split launch's (dense queries, pages of exactly ``tile_n`` rows, read by TMA:
+    :func:`xattn.core.paged.tma_page_rows` views larger pages as such)."""
     tile = SPLIT_TILES.get((spec.head_dim, spec.head_dim_v))
     contiguous = spec.varlen and spec.page_size is None
     paged = not spec.varlen and tile is not None and spec.page_size == tile[1]
     if (tile is None or spec.family != "fa4" or type(spec) is not KernelSpec or spec.direction != "fwd"
-            or spec.causal or spec.is_local or not (contiguous or paged)):
+            or spec.causal or spec.is_local or not (paged or spec.page_size is None)):  # paged, varlen or dense
         return spec
     return _tiled(spec, tile, shared_q and contiguous and spec.qhead_per_kvhead > 1)
 

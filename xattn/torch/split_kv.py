@@ -345,9 +345,9 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     """:func:`split_forward` without lengths on the flat key views ``kf/vf [key_rows, Hkv, D]``: sequence b's Nk keys
     start at row ``b * rows``; every index is the shape's, set up once (:func:`_setup`)."""
     b, nq, hq, d = q.shape
-    chunk = split_kv.slot_chunk(plan, family, b, nk, nq)
-    if chunk:
-        _slot_split(plan, family, q, kf, vf, nk, chunk, scale, out, lse)
+    slots = split_kv.slot_launch(plan, family, b, nk, nq)
+    if slots is not None:
+        _slot_split(plan, slots, family, q, kf, vf, nk, scale, out, lse)
         return
     dv = vf.shape[-1]
     p = plan.partials
@@ -363,48 +363,58 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     _launches(plan, setup, q, q_split, kf, vf, scale, out_p, lse_p, lse_t, out, lse, in_place, fill_tail=True)
 
 
-def _slot_split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, chunk: int, scale: float,
-                out: Tensor, lse: Tensor) -> None:
-    """:func:`_split` as the slot launch (:func:`xattn.core.split_kv.slot_chunk`): q ``[1, Nq, Hq, D]``, the keys
+def _slot_split(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int,
+                scale: float, out: Tensor, lse: Tensor) -> None:
+    """:func:`_split` as the slot launch (:func:`xattn.core.split_kv.slot_launch`): q ``[1, Nq, Hq, D]``, the keys
     ``kf/vf [Nk, Hkv, D]``; the S splits are the dense forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on
     ``k_slots [S, chunk, Hkv, D]`` (batch stride ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq,
-    Dv]`` / ``lse_p [P, Hq, Nq]``; the causal tail beside them writes slot S (its varlen layouts are the same rows)."""
+    Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail beside them writes slot S (its varlen layouts are the same rows)."""
     nq, hq, d = q.shape[1:]
-    dv, s = vf.shape[-1], plan.splits
+    dv, s, chunk = vf.shape[-1], plan.splits, slots.chunk
     q_slots = q.as_strided((s, nq, hq, d), (0, *q.stride()[1:]), q.storage_offset())
     k_slots, v_slots = (t.as_strided((s, chunk, *t.shape[1:]), (chunk * t.stride(0), *t.stride()), t.storage_offset())
                         for t in (kf, vf))
-    q_tail = q.reshape(nq, hq, d)
-    setup = _slot_setup(plan, family, q_slots, k_slots, v_slots, q_tail, kf, vf, nk, chunk)
-    out_p = torch.empty((s + 1, nq, hq, dv), dtype=q.dtype, device=q.device)
-    lse_p = torch.empty((s + 1, hq, nq), dtype=torch.float32, device=q.device)
-    side = Side(q.device)
-    with side.fork():  # the causal tail beside the splits, into slot S
-        ops.LAUNCH["fwd"](setup.tail_checked, q_tail, kf, vf, out_p[s], lse_p[s], softmax_scale=scale,
-                          cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
-                          max_seqlen_k=setup.tail_max_k)
+    q_rest = q.reshape(nq, hq, d)
+    setup = _slot_setup(plan, slots, family, q_slots, k_slots, v_slots, q_rest, kf, vf, nk)
+    out_p = torch.empty((slots.partials, nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse_p = torch.empty((slots.partials, hq, nq), dtype=torch.float32, device=q.device)
+    side = Side(q.device) if slots.rest else None
+    if side:
+        with side.fork():  # the causal tail beside the splits, into slot S
+            ops.LAUNCH["fwd"](setup.tail_checked, q_rest, kf, vf, out_p[s], lse_p[s], softmax_scale=scale,
+                              cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
+                              max_seqlen_k=setup.tail_max_k)
     ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p[:s], lse_p[:s], softmax_scale=scale)
-    side.join()
+    if side:
+        side.join()
     ops.LAUNCH["combine"](setup.combine, out_p.unsqueeze(1), lse_p.unsqueeze(1).transpose(2, 3), out,
                           lse.permute(0, 2, 1))
 
 
-def _slot_setup(plan: SplitPlan, family: str, q_slots: Tensor, k_slots: Tensor, v_slots: Tensor, q_tail: Tensor,
-                kf: Tensor, vf: Tensor, nk: int, chunk: int) -> _Setup:
-    """:func:`_setup` of the slot launch: its dense ``(spec, problem)``, the tail launch's ``cu_seqlens`` (a
-    document without a query on keys ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``) and the combine."""
+def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slots: Tensor, k_slots: Tensor,
+                v_slots: Tensor, q_rest: Tensor, kf: Tensor, vf: Tensor, nk: int) -> _Setup:
+    """:func:`_setup` of the slot launch: its dense ``(spec, problem)`` (FA4's decode tile), the launch beside it's
+    ``cu_seqlens`` (a document without a query on keys ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``,
+    causal for a tail) and the combine."""
     key = ("slots", plan, family, q_slots.shape, k_slots.shape, v_slots.shape, q_slots.dtype, nk, q_slots.device)
     hit = _SETUPS.get(key)
     if hit is not None:
         return hit
-    nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * chunk
-    tail_q, tail_k = outside_graph_pools(lambda: (  # device arithmetic (a few kernels; capturable)
-        (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])), dev)
-    checked = ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1)
-    tail_checked = ops._checked("fwd", family, q_tail, kf, vf, True, -1, -1, tail_q, tail_k, nq, nk - first)
+    nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * slots.chunk
+    checked = split_kv.split_launch(ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1))
+    tail_q = tail_k = tail_checked = None
+    if slots.rest and _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): device arithmetic
+        tail_q, tail_k = outside_graph_pools(lambda: (
+            (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])),
+            dev)
+    elif slots.rest:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy
+        tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
+    if slots.rest:
+        tail_checked = ops._checked("fwd", family, q_rest, kf, vf, plan.tail, -1, -1, tail_q, tail_k, nq, nk - first)
     combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1],
-                          split_kv.combine_chunk(plan.partials))
-    return _SETUPS.put(key, _Setup(None, None, chunk, checked, tail_q, tail_k, nk - first, tail_checked, combine))
+                          split_kv.combine_chunk(slots.partials))
+    return _SETUPS.put(key, _Setup(None, None, slots.chunk, checked, tail_q, tail_k, nk - first, tail_checked,
+                                   combine))
 
 
 def _split_device(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
