@@ -393,9 +393,9 @@ def _slot_split(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q: Ten
 
 def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slots: Tensor, k_slots: Tensor,
                 v_slots: Tensor, q_rest: Tensor, kf: Tensor, vf: Tensor, nk: int) -> _Setup:
-    """:func:`_setup` of the slot launch: its dense ``(spec, problem)`` (FA4's decode tile), the launch beside it's
-    ``cu_seqlens`` (a document without a query on keys ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``,
-    causal for a tail) and the combine."""
+    """:func:`_setup` of the slot launch: its dense ``(spec, problem)`` (FA4's decode tile), the causal tail launch's
+    ``cu_seqlens`` (a document without a query on keys ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``)
+    and the combine."""
     key = ("slots", plan, family, q_slots.shape, k_slots.shape, v_slots.shape, q_slots.dtype, nk, q_slots.device)
     hit = _SETUPS.get(key)
     if hit is not None:
@@ -403,14 +403,14 @@ def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slot
     nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * slots.chunk
     checked = split_kv.split_launch(ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1))
     tail_q = tail_k = tail_checked = None
-    if slots.rest and _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): device arithmetic
-        tail_q, tail_k = outside_graph_pools(lambda: (
-            (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])),
-            dev)
-    elif slots.rest:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy
-        tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
-    if slots.rest:
-        tail_checked = ops._checked("fwd", family, q_rest, kf, vf, plan.tail, -1, -1, tail_q, tail_k, nq, nk - first)
+    if slots.rest:  # the causal tail beside the splits (slot_launch: keys left over only with a tail)
+        if _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): device arithmetic
+            tail_q, tail_k = outside_graph_pools(lambda: (
+                (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])),
+                dev)
+        else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy
+            tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
+        tail_checked = ops._checked("fwd", family, q_rest, kf, vf, True, -1, -1, tail_q, tail_k, nq, nk - first)
     combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1],
                           split_kv.combine_chunk(slots.partials))
     return _SETUPS.put(key, _Setup(None, None, slots.chunk, checked, tail_q, tail_k, nk - first, tail_checked,
