@@ -30,8 +30,12 @@ eager call, host included: do_bench enqueues calls back to back, so a call whose
 host work outlasts its kernels is timed by its host work. ``ms_graph`` replays the same call captured in a
 CUDA graph: the kernels alone, as a serving engine or HF's static-cache generate runs decode steps.
 
+``host_us``: the median host time of one eager call with the stream idle (its enqueueing alone): where it exceeds
+``ms_graph`` (x 1000), ``ms`` times the host. The first row is measured once more before the run and dropped (a
+process's first timed calls ran slow).
+
 Rows: ``impl, family, head_dim, hq, hkv, batch, q_len, cache_len, ms, hbm_fraction, ms_graph,
-hbm_fraction_graph, route, splits, status``.
+hbm_fraction_graph, host_us, route, splits, status``.
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
         with torch.cuda.graph(graph):
             fn()
         ms_graph = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+        host_us = _host_us(fn)
     except torch.OutOfMemoryError:
         return dict(row, status="oom")
     except Exception as exc:  # a row says why, the run goes on
@@ -134,7 +139,24 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
     peak = next((v for k, v in HBM_BYTES_PER_S.items() if k in torch.cuda.get_device_name()), None)
     share = lambda t: round(kv_bytes / (t * 1e-3) / peak, 4) if peak else None  # noqa: E731
     return dict(row, ms=round(ms, 4), hbm_fraction=share(ms), ms_graph=round(ms_graph, 4),
-                hbm_fraction_graph=share(ms_graph), hbm_bytes_per_s=peak, status="ok")
+                hbm_fraction_graph=share(ms_graph), host_us=round(host_us, 1), hbm_bytes_per_s=peak, status="ok")
+
+
+def _host_us(fn, calls: int = 50) -> float:
+    """Median host time of one eager call (µs): from the call to its return, the stream idle before each call (so
+    the time is the call's own enqueueing, never a wait for earlier work)."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 _TILE_ROWS = None  # xattn.torch.paged._split_rows, kept when the module is first imported
@@ -162,6 +184,12 @@ def main() -> None:
     _TILE_ROWS = torch_paged._split_rows
 
     rows = []
+    # a throwaway first measurement: the process's first timed calls ran slow (the first row's eager ms 1.5-3.5x
+    # the same row's later ones, H100 session 30), the rows must not depend on their order
+    first_shape = SHAPES[args.shapes.split(",")[0]]
+    warm = measure(args.impls.split(",")[0], *first_shape, int(args.batches.split(",")[0]), 1,
+                   int(args.caches.split(",")[0]))
+    log(f"warm-up row (not kept): ms={warm.get('ms')} ms_graph={warm.get('ms_graph')} status={warm.get('status')}")
     for name in args.shapes.split(","):
         family, d, hq, hkv = SHAPES[name]
         for b in map(int, args.batches.split(",")):
@@ -175,7 +203,8 @@ def main() -> None:
                         rows.append(row)
                         log(" ".join(f"{k}={row.get(k)}" for k in ("impl", "head_dim", "batch", "q_len", "cache_len",
                                                                    "ms", "hbm_fraction", "ms_graph",
-                                                                   "hbm_fraction_graph", "route", "splits", "status")))
+                                                                   "hbm_fraction_graph", "host_us", "route", "splits",
+                                                                   "status")))
                         if args.out:
                             with open(args.out, "w") as f:
                                 json.dump({"suite": __doc__.split("\n\n")[0], "rows": rows}, f, indent=1)

@@ -3,7 +3,7 @@ where the host time goes (cProfile by function, torch.profiler by CPU op) for th
 far above ``ms_graph`` in ``benchmarks/results/decode_attention_h200.json``.
 
     python benchmarks/tools/split_host_probe.py [--shapes d512:1:4:8192,d128:1:1:8192]   # name:B:Nq:Nk
-        [--calls contiguous,growing,fused,kvcache,paged64,packed,vllm64] [--profile] [--legacy-side]
+        [--calls contiguous,sdpa,growing,fused,kvcache,paged64,packed,vllm64] [--profile] [--legacy-side]
 """
 from __future__ import annotations
 
@@ -140,7 +140,18 @@ def _growing(b, nq, nk, d, hq, hkv):
     return call
 
 
-CALLS = {"contiguous": _contiguous, "growing": _growing, "fused": lambda *a: _contiguous(*a, splits=1),
+def _sdpa(b, nq, nk, d, hq, hkv):
+    """torch SDPA on HF's ``[B, H, N, D]`` layout with ``enable_gqa`` (decode_attention.py's ``sdpa`` row): the host
+    time xattn's eager call is judged against."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (t.transpose(1, 2) for t in _inputs(b, nq, nk, d, hq, hkv))
+    mask = None if nq == 1 else torch.ones(nq, nk, dtype=torch.bool, device="cuda").tril(nk - nq)
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+CALLS = {"contiguous": _contiguous, "sdpa": _sdpa, "growing": _growing, "fused": lambda *a: _contiguous(*a, splits=1),
          "kvcache": _kvcache, "paged64": _paged_call, "packed": _packed, "vllm64": _vllm}
 
 

@@ -306,6 +306,11 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D/Dv]`` whose sequences start every ``rows`` flat rows
     (:func:`rows_per_seq`). Sequence b holds its first ``lengths[b]`` keys (int32 ``[B]`` on the device, read
     only there), or all Nk (``lengths`` None)."""
+    if lengths is None:
+        slots = split_kv.slot_launch(plan, family, q.shape[0], k.shape[1], q.shape[1])
+        if slots is not None:  # checked before the flat key views: the slot launch reads k and v as they are
+            _slot_split(plan, slots, family, q, k, v, scale, out, lse)
+            return
     key_rows = rows * (q.shape[0] - 1) + k.shape[1]
     kf, vf = flat_keys(k, key_rows), flat_keys(v, key_rows)
     if lengths is None:
@@ -342,13 +347,10 @@ def ramp(first: int, count: int, device: torch.device, step: int = 1) -> Tensor:
 
 def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
            out: Tensor, lse: Tensor) -> None:
-    """:func:`split_forward` without lengths on the flat key views ``kf/vf [key_rows, Hkv, D]``: sequence b's Nk keys
-    start at row ``b * rows``; every index is the shape's, set up once (:func:`_setup`)."""
+    """:func:`split_forward` without lengths on the flat key views ``kf/vf [key_rows, Hkv, D]`` (where the slot launch
+    does not run): sequence b's Nk keys start at row ``b * rows``; every index is the shape's, set up once
+    (:func:`_setup`)."""
     b, nq, hq, d = q.shape
-    slots = split_kv.slot_launch(plan, family, b, nk, nq)
-    if slots is not None:
-        _slot_split(plan, slots, family, q, kf, vf, nk, scale, out, lse)
-        return
     dv = vf.shape[-1]
     p = plan.partials
     in_place = plan.tail_in_place(b)
@@ -363,44 +365,48 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     _launches(plan, setup, q, q_split, kf, vf, scale, out_p, lse_p, lse_t, out, lse, in_place, fill_tail=True)
 
 
-def _slot_split(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int,
+def _slot_split(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q: Tensor, k: Tensor, v: Tensor,
                 scale: float, out: Tensor, lse: Tensor) -> None:
-    """:func:`_split` as the slot launch (:func:`xattn.core.split_kv.slot_launch`): q ``[1, Nq, Hq, D]``, the keys
-    ``kf/vf [Nk, Hkv, D]``; the S splits are the dense forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on
+    """:func:`split_forward` as the slot launch (:func:`xattn.core.split_kv.slot_launch`): q ``[1, Nq, Hq, D]``, k/v
+    ``[1, Nk, Hkv, D]``; the S splits are the dense forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on
     ``k_slots [S, chunk, Hkv, D]`` (batch stride ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq,
-    Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail beside them writes slot S (its varlen layouts are the same rows)."""
-    nq, hq, d = q.shape[1:]
-    dv, s, chunk = vf.shape[-1], plan.splits, slots.chunk
+    Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail beside them writes slot S (its varlen layouts are the same rows).
+    A decode step's host time: views made straight from the caller's tensors, none that the launches do not need."""
+    _, nq, hq, d = q.shape
+    dv, s, chunk, parts = v.shape[-1], plan.splits, slots.chunk, slots.partials
     q_slots = q.as_strided((s, nq, hq, d), (0, *q.stride()[1:]), q.storage_offset())
-    k_slots, v_slots = (t.as_strided((s, chunk, *t.shape[1:]), (chunk * t.stride(0), *t.stride()), t.storage_offset())
-                        for t in (kf, vf))
-    q_rest = q.reshape(nq, hq, d)
-    setup = _slot_setup(plan, slots, family, q_slots, k_slots, v_slots, q_rest, kf, vf, nk)
-    out_p = torch.empty((slots.partials, nq, hq, dv), dtype=q.dtype, device=q.device)
-    lse_p = torch.empty((slots.partials, hq, nq), dtype=torch.float32, device=q.device)
+    ks, vs = k.stride(), v.stride()
+    k_slots = k.as_strided((s, chunk, k.shape[2], d), (chunk * ks[1], *ks[1:]), k.storage_offset())
+    v_slots = v.as_strided((s, chunk, v.shape[2], dv), (chunk * vs[1], *vs[1:]), v.storage_offset())
+    setup = _slot_setup(plan, slots, family, q_slots, k_slots, v_slots, q, k, v)
+    out_p = torch.empty((parts, nq, hq, dv), dtype=q.dtype, device=q.device)
+    lse_p = torch.empty((parts, hq, nq), dtype=torch.float32, device=q.device)
     side = Side(q.device) if slots.rest else None
     if side:
         with side.fork():  # the causal tail beside the splits, into slot S
-            ops.LAUNCH["fwd"](setup.tail_checked, q_rest, kf, vf, out_p[s], lse_p[s], softmax_scale=scale,
+            ops.LAUNCH["fwd"](setup.tail_checked, q[0], k[0], v[0], out_p[s], lse_p[s], softmax_scale=scale,
                               cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
                               max_seqlen_k=setup.tail_max_k)
-    ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p[:s], lse_p[:s], softmax_scale=scale)
-    if side:
+        ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p[:s], lse_p[:s], softmax_scale=scale)
         side.join()
-    ops.LAUNCH["combine"](setup.combine, out_p.unsqueeze(1), lse_p.unsqueeze(1).transpose(2, 3), out,
-                          lse.permute(0, 2, 1))
+    else:  # every slot is a split's: no slices
+        ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale=scale)
+    # the combine's [P, B, Nq, Hq] view of lse_p [P, Hq, Nq]: one as_strided, not an unsqueeze and a transpose
+    lse_c = lse_p.as_strided((parts, 1, nq, hq), (hq * nq, hq * nq, 1, nq))
+    ops.LAUNCH["combine"](setup.combine, out_p.unsqueeze(1), lse_c, out, lse.permute(0, 2, 1))
 
 
 def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slots: Tensor, k_slots: Tensor,
-                v_slots: Tensor, q_rest: Tensor, kf: Tensor, vf: Tensor, nk: int) -> _Setup:
-    """:func:`_setup` of the slot launch: its dense ``(spec, problem)`` (FA4's decode tile), the causal tail launch's
-    ``cu_seqlens`` (a document without a query on keys ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``)
-    and the combine."""
-    key = ("slots", plan, family, q_slots.shape, k_slots.shape, v_slots.shape, q_slots.dtype, nk, q_slots.device)
+                v_slots: Tensor, q: Tensor, k: Tensor, v: Tensor) -> _Setup:
+    """:func:`_setup` of the slot launch (q ``[1, Nq, Hq, D]``, k/v ``[1, Nk, Hkv, D]``): its dense ``(spec,
+    problem)`` (FA4's decode tile), the causal tail launch's ``cu_seqlens`` (a document without a query on keys
+    ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``) and the combine; keyed by the call's shapes (the
+    slots' follow from them and the plan)."""
+    key = ("slots", plan, family, q.shape, k.shape, v.shape, q.dtype, q.device)
     hit = _SETUPS.get(key)
     if hit is not None:
         return hit
-    nq, dev, first = q_slots.shape[1], q_slots.device, plan.splits * slots.chunk
+    nq, nk, dev, first = q.shape[1], k.shape[1], q.device, plan.splits * slots.chunk
     checked = split_kv.split_launch(ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1))
     tail_q = tail_k = tail_checked = None
     if slots.rest:  # the causal tail beside the splits (slot_launch: keys left over only with a tail)
@@ -410,8 +416,8 @@ def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slot
                 dev)
         else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy
             tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
-        tail_checked = ops._checked("fwd", family, q_rest, kf, vf, True, -1, -1, tail_q, tail_k, nq, nk - first)
-    combine = CombineSpec(family, str(q_slots.dtype).removeprefix("torch."), vf.shape[-1],
+        tail_checked = ops._checked("fwd", family, q[0], k[0], v[0], True, -1, -1, tail_q, tail_k, nq, nk - first)
+    combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), v.shape[-1],
                           split_kv.combine_chunk(slots.partials))
     return _SETUPS.put(key, _Setup(None, None, slots.chunk, checked, tail_q, tail_k, nk - first, tail_checked,
                                    combine))
