@@ -3,7 +3,7 @@ where the host time goes (cProfile by function, torch.profiler by CPU op) for th
 far above ``ms_graph`` in ``benchmarks/results/decode_attention_h200.json``.
 
     python benchmarks/tools/split_host_probe.py [--shapes d512:1:4:8192,d128:1:1:8192]   # name:B:Nq:Nk
-        [--calls contiguous,sdpa,growing,fused,kvcache,paged64,packed,vllm64] [--profile] [--legacy-side]
+        [--calls contiguous,sdpa,growing,fused,kvcache,paged64,packed,vllm64] [--profile] [--patterns] [--legacy-side]
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="d512:1:1:8192,d512:1:4:8192,d128:1:1:8192")
     ap.add_argument("--calls", default="contiguous,fused", help=f"of {','.join(CALLS)}")
     ap.add_argument("--profile", action="store_true", help="cProfile and torch.profiler tables of each call")
+    ap.add_argument("--patterns", action="store_true",
+                    help="each call's host time in three patterns: back to back, after do_bench's L2 flush (no sync), "
+                         "after a synchronize; the same with xattn's launches stubbed; torch.profiler of the flush "
+                         "pattern")
     ap.add_argument("--legacy-side", action="store_true",
                     help="the causal tail's second stream as before session 20 (torch.cuda's Python stream wrappers), "
                          "to time against the default in the same process")
@@ -49,6 +53,8 @@ def main() -> None:
                 print(f"{item} {call}: host {host:.1f} us/call, stream {gpu_us(fn, 100):.1f} us/call", flush=True)
                 if args.profile:
                     _profile(f"{item} {call}", fn)
+                if args.patterns:
+                    _patterns(f"{item} {call}", fn)
 
 
 def _inputs(b, nq, nk, d, hq, hkv):
@@ -190,6 +196,50 @@ class _LegacySide:
     def join(self):
         if self.cuda:
             self.main.wait_stream(self.stream)
+
+
+def _patterns(label, fn, reps: int = 200):
+    """Median host µs of one call: back to back, after do_bench's L2 flush (a 256 MB ``zero_``, no sync) and after a
+    synchronize; then the same with xattn's launch entries stubbed (Python and allocations alone); then the top CPU
+    ops of the flush pattern (torch.profiler), to find a call that blocks on the GPU."""
+    import statistics
+    import time
+
+    import torch
+
+    from xattn.torch import ops
+
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+
+    def host(before) -> float:
+        times = []
+        for _ in range(reps):
+            before()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        return statistics.median(times)
+
+    kinds = {"back to back": lambda: None, "after flush": flush.zero_, "after sync": torch.cuda.synchronize}
+    real = dict(ops.LAUNCH)
+    for stubbed in (False, True):
+        if stubbed:
+            for name in ops.LAUNCH:
+                ops.LAUNCH[name] = lambda *a, **k: None
+        try:
+            cells = ", ".join(f"{kind} {host(before):.1f}" for kind, before in kinds.items())
+        finally:
+            ops.LAUNCH.update(real)
+        print(f"{label}{' (launches stubbed)' if stubbed else ''}: host us per call, median of {reps}: {cells}",
+              flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        for _ in range(50):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    print(f"--- {label} torch.profiler, 50 calls after a flush ---")
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
 
 
 def _profile(label, fn):
