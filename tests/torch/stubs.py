@@ -271,6 +271,7 @@ _REPLACED = {
     "check_buffers": lambda: check_shapes_only,
     "_CHECKED": Memo,
     "_FWD_SETUPS": Memo,
+    "_SLOT_CALLS": Memo,
 }
 
 

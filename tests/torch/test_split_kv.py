@@ -102,6 +102,42 @@ def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, sp
     assert len(seen) == 1 + len(beside)
 
 
+@pytest.mark.parametrize("family, d, nq, nk", [("fa4", 128, 1, 1536), ("ffpa", 16, 4, 900)],
+                         ids=["fa4-even", "ffpa-tail"])
+def test_a_signature_seen_before_runs_the_slot_launch_from_its_memo(family, d, nq, nk, monkeypatch):
+    """The second call of a decode signature on the slot launch makes none of the decisions again (no validation,
+    route or slot plan: xattn.torch.ops._SLOT_CALLS) and is still right on other values and another key layout of
+    the same shapes (HF's transposed cache: the views follow the call's strides); a changed route request
+    (XATTN_FWD_ROUTE) or num_splits is another signature."""
+    from xattn.core import split_kv as core_split_kv
+    from xattn.torch import ops
+
+    def run(layout, seed, **kw):
+        q, k, v = _decode_inputs(1, nq, 8, 2, nk, d, layout, seed)
+        out, lse = xt.attention_with_lse(q, k, v, causal=True, family=family, **kw)
+        ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=True)
+        torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
+
+    run("contiguous", 1, num_splits=3)
+    assert len(ops._SLOT_CALLS) == 1
+    decided = []
+    for owner, name in ((ops, "_fwd_setup"), (ops, "_fwd_route"), (core_split_kv, "slot_launch")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **kw: (decided.append(_name),
+                                                                                    _real(*a, **kw))[1])
+    CALLS.clear()
+    run("hf", 2, num_splits=3)
+    assert not decided and ("combine", family) in CALLS, "the memo did not run the slot launch"
+    run("contiguous", 3, num_splits=4)  # another split count: decided afresh
+    assert "_fwd_route" in decided and len(ops._SLOT_CALLS) == 2
+    decided.clear()
+    CALLS.clear()
+    monkeypatch.setenv("XATTN_FWD_ROUTE", "fused")
+    run("contiguous", 4, num_splits=3)  # the same call under another route request: the fused kernel
+    assert "_fwd_route" in decided and ("combine", family) not in CALLS
+
+
 def test_the_slot_launch_takes_one_sequence_split_evenly_or_with_ffpas_tail_in_place():
     plan = split_kv.plan_splits(8, True, 4, 4096)
     assert split_kv.slot_launch(plan, "ffpa", 1, 4096, 4) == split_kv.SlotLaunch(4092 // 8, 4096 - 8 * 511, 9)

@@ -161,16 +161,32 @@ def _fwd_route(checked, q, k, v, num_splits: int):
     return hit
 
 
+_SLOT_CALLS = Memo(256)  # a dense call's metadata -> its SlotCall, where the route put it on the slot launch
+
+
 def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k, num_splits=0):
     """The body of :func:`fwd` (also called by :mod:`xattn.torch.ring` outside the dispatcher): allocates
-    and returns ``(out, lse)`` in the layouts of the module docstring, on the route :func:`_fwd_route` names."""
+    and returns ``(out, lse)`` in the layouts of the module docstring, on the route :func:`_fwd_route` names.
+    A decode step whose signature the route put on the slot launch before runs it straight from one memo
+    (:func:`xattn.torch.split_kv.slot_call`): the same launches, none of the decisions again (host time)."""
+    scale = check_scale(softmax_scale)
+    slot_key = None
+    if cu_seqlens_q is None and q.dim() == 4 and q.shape[1] <= split_kv.MAX_DECODE_QUERIES:
+        slot_key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, family, causal, window_left,
+                    window_right, num_splits, routes.requested_forward())
+        slot = _SLOT_CALLS.get(slot_key)
+        if slot is not None:
+            return _run_slots(slot, q, k, v, scale)
     checked, no_keys, fills, out_shape, lse_shape = _fwd_setup(q, k, v, family, causal, window_left, window_right,
                                                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale = check_scale(softmax_scale)
     if not no_keys and checked[1].total_q:
         route, rows = _fwd_route(checked, q, k, v, num_splits)
         if route.name == "split-kv":
+            if slot_key is not None:
+                slot = torch_split_kv.slot_call(route.plan, family, q, k, v)
+                if slot is not None:
+                    return _run_slots(_SLOT_CALLS.put(slot_key, slot), q, k, v, scale)
             out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
             if cu_seqlens_q is not None:
@@ -186,6 +202,15 @@ def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_rig
         _check_buffers(checked, dict(q=q, k=k, v=v, out=out, lse=lse), cu_seqlens_q, cu_seqlens_k)
     else:
         LAUNCH["fwd"](checked, q, k, v, out, lse, softmax_scale=scale, **kw)
+    return out, lse
+
+
+def _run_slots(slot, q, k, v, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out [1, Nq, Hq, Dv], lse [1, Hq, Nq])`` of a call on the slot launch
+    (:class:`~xattn.torch.split_kv.SlotCall`)."""
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((1, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    slot.run(q, k, v, scale, out, lse)
     return out, lse
 
 

@@ -26,8 +26,8 @@ from xattn.core.split_kv import CombineSpec, SplitMetaSpec, SplitPlan
 
 from . import ops
 
-__all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "num_sms", "device_cu_seqlens_q",
-           "device_cu_seqlens_k", "outside_graph_pools", "ramp"]
+__all__ = ["rows_per_seq", "flat_keys", "split_forward", "packed_split_forward", "slot_call", "SlotCall", "num_sms",
+           "device_cu_seqlens_q", "device_cu_seqlens_k", "outside_graph_pools", "ramp"]
 
 _SETUPS = Memo(256)  # (plan, family, shapes, dtype, rows, device) -> _Setup (host lists become device tensors once)
 _SMS: dict = {}
@@ -307,9 +307,9 @@ def split_forward(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor,
     (:func:`rows_per_seq`). Sequence b holds its first ``lengths[b]`` keys (int32 ``[B]`` on the device, read
     only there), or all Nk (``lengths`` None)."""
     if lengths is None:
-        slots = split_kv.slot_launch(plan, family, q.shape[0], k.shape[1], q.shape[1])
-        if slots is not None:  # checked before the flat key views: the slot launch reads k and v as they are
-            _slot_split(plan, slots, family, q, k, v, scale, out, lse)
+        call = slot_call(plan, family, q, k, v)
+        if call is not None:  # checked before the flat key views: the slot launch reads k and v as they are
+            call.run(q, k, v, scale, out, lse)
             return
     key_rows = rows * (q.shape[0] - 1) + k.shape[1]
     kf, vf = flat_keys(k, key_rows), flat_keys(v, key_rows)
@@ -365,35 +365,60 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     _launches(plan, setup, q, q_split, kf, vf, scale, out_p, lse_p, lse_t, out, lse, in_place, fill_tail=True)
 
 
-def _slot_split(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q: Tensor, k: Tensor, v: Tensor,
-                scale: float, out: Tensor, lse: Tensor) -> None:
-    """:func:`split_forward` as the slot launch (:func:`xattn.core.split_kv.slot_launch`): q ``[1, Nq, Hq, D]``, k/v
-    ``[1, Nk, Hkv, D]``; the S splits are the dense forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on
-    ``k_slots [S, chunk, Hkv, D]`` (batch stride ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq,
-    Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail beside them writes slot S (its varlen layouts are the same rows).
-    A decode step's host time: views made straight from the caller's tensors, none that the launches do not need."""
-    _, nq, hq, d = q.shape
-    dv, s, chunk, parts = v.shape[-1], plan.splits, slots.chunk, slots.partials
-    q_slots = q.as_strided((s, nq, hq, d), (0, *q.stride()[1:]), q.storage_offset())
-    ks, vs = k.stride(), v.stride()
-    k_slots = k.as_strided((s, chunk, k.shape[2], d), (chunk * ks[1], *ks[1:]), k.storage_offset())
-    v_slots = v.as_strided((s, chunk, v.shape[2], dv), (chunk * vs[1], *vs[1:]), v.storage_offset())
-    setup = _slot_setup(plan, slots, family, q_slots, k_slots, v_slots, q, k, v)
-    out_p = torch.empty((parts, nq, hq, dv), dtype=q.dtype, device=q.device)
-    lse_p = torch.empty((parts, hq, nq), dtype=torch.float32, device=q.device)
-    side = Side(q.device) if slots.rest else None
-    if side:
-        with side.fork():  # the causal tail beside the splits, into slot S
-            ops.LAUNCH["fwd"](setup.tail_checked, q[0], k[0], v[0], out_p[s], lse_p[s], softmax_scale=scale,
-                              cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
-                              max_seqlen_k=setup.tail_max_k)
-        ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p[:s], lse_p[:s], softmax_scale=scale)
-        side.join()
-    else:  # every slot is a split's: no slices
-        ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale=scale)
-    # the combine's [P, B, Nq, Hq] view of lse_p [P, Hq, Nq]: one as_strided, not an unsqueeze and a transpose
-    lse_c = lse_p.as_strided((parts, 1, nq, hq), (hq * nq, hq * nq, 1, nq))
-    ops.LAUNCH["combine"](setup.combine, out_p.unsqueeze(1), lse_c, out, lse.permute(0, 2, 1))
+class SlotCall(NamedTuple):
+    """A call signature on the slot launch (:func:`slot_call`): the plan, the slots and their set-up, derived once;
+    :meth:`run` is the whole split route of one call (the front end keeps it per signature, a decode step's only
+    decision then being the memo's lookup)."""
+
+    plan: SplitPlan
+    slots: split_kv.SlotLaunch
+    setup: _Setup
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor, lse: Tensor) -> None:
+        """Write ``out [1, Nq, Hq, Dv]`` and ``lse [1, Hq, Nq]`` (any content before) for q ``[1, Nq, Hq, D]`` on
+        k/v ``[1, Nk, Hkv, D]`` of this signature (any strides with a unit last one): the S splits are the dense
+        forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on ``k_slots [S, chunk, Hkv, D]`` (batch stride
+        ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq, Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail
+        beside them writes slot S (its varlen layouts are the same rows); the combine writes out and lse. Only the
+        views and buffers the launches need (a decode step's host time)."""
+        plan, slots, setup = self
+        nq, hq = q.shape[1], q.shape[2]
+        s, parts = plan.splits, slots.partials
+        q_slots, k_slots, v_slots = _slot_views(s, slots.chunk, q, k, v)
+        out_p = torch.empty((parts, nq, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse_p = torch.empty((parts, hq, nq), dtype=torch.float32, device=q.device)
+        if slots.rest:
+            side = Side(q.device)
+            with side.fork():  # the causal tail beside the splits, into slot S
+                ops.LAUNCH["fwd"](setup.tail_checked, q[0], k[0], v[0], out_p[s], lse_p[s], softmax_scale=scale,
+                                  cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
+                                  max_seqlen_k=setup.tail_max_k)
+            ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p[:s], lse_p[:s], softmax_scale=scale)
+            side.join()
+        else:  # every slot is a split's: no slices
+            ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale=scale)
+        # the combine's [P, B, Nq, Hq] view of lse_p [P, Hq, Nq]: one as_strided, not an unsqueeze and a transpose
+        lse_c = lse_p.as_strided((parts, 1, nq, hq), (hq * nq, hq * nq, 1, nq))
+        ops.LAUNCH["combine"](setup.combine, out_p.unsqueeze(1), lse_c, out, lse.permute(0, 2, 1))
+
+
+def slot_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor) -> SlotCall | None:
+    """The slot launch's :class:`SlotCall` for q ``[B, Nq, Hq, D]`` on k/v ``[B, Nk, Hkv, D]`` under ``plan``, or
+    ``None`` where the varlen launch runs the splits (:func:`xattn.core.split_kv.slot_launch`)."""
+    slots = split_kv.slot_launch(plan, family, q.shape[0], k.shape[1], q.shape[1])
+    if slots is None:
+        return None
+    views = _slot_views(plan.splits, slots.chunk, q, k, v)
+    return SlotCall(plan, slots, _slot_setup(plan, slots, family, *views, q, k, v))
+
+
+def _slot_views(s: int, chunk: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q_slots [S, Nq, Hq, D]`` (batch stride 0) and ``k_slots/v_slots [S, chunk, Hkv, D]`` (batch stride
+    ``chunk`` rows): views of q ``[1, Nq, Hq, D]`` and k/v ``[1, Nk, Hkv, D]``."""
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    return (q.as_strided((s, *q.shape[1:]), (0, *qs[1:]), q.storage_offset()),
+            k.as_strided((s, chunk, *k.shape[2:]), (chunk * ks[1], *ks[1:]), k.storage_offset()),
+            v.as_strided((s, chunk, *v.shape[2:]), (chunk * vs[1], *vs[1:]), v.storage_offset()))
 
 
 def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slots: Tensor, k_slots: Tensor,
