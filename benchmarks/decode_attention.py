@@ -30,9 +30,10 @@ eager call, host included: do_bench enqueues calls back to back, so a call whose
 host work outlasts its kernels is timed by its host work. ``ms_graph`` replays the same call captured in a
 CUDA graph: the kernels alone, as a serving engine or HF's static-cache generate runs decode steps.
 
-``host_us``: the median host time of one eager call with the stream idle (its enqueueing alone): where it exceeds
-``ms_graph`` (x 1000), ``ms`` times the host. The first row is measured once more before the run and dropped (a
-process's first timed calls ran slow).
+``host_us``: the median host time of one eager call after a ``synchronize`` (its enqueueing, plus the host thread's
+wake-up after the wait: it grew with the cache length for SDPA and xattn alike in session 30; the back-to-back host
+cost is ``benchmarks/tools/split_host_probe.py --patterns``). The first row is measured once more before the run
+and dropped (a process's first timed calls ran slow).
 
 Rows: ``impl, family, head_dim, hq, hkv, batch, q_len, cache_len, ms, hbm_fraction, ms_graph,
 hbm_fraction_graph, host_us, route, splits, status``.
@@ -143,8 +144,8 @@ def measure(impl: str, family: str, d: int, hq: int, hkv: int, b: int, nq: int, 
 
 
 def _host_us(fn, calls: int = 50) -> float:
-    """Median host time of one eager call (µs): from the call to its return, the stream idle before each call (so
-    the time is the call's own enqueueing, never a wait for earlier work)."""
+    """Median host time of one eager call (µs): from the call to its return, after a ``synchronize`` (never a wait
+    for earlier work; the host thread's wake-up after that wait included)."""
     import statistics
 
     import torch
