@@ -276,10 +276,12 @@ def test_int32_lists_are_one_tensor_with_aligned_views():
     assert all(t.data_ptr() % 16 == 0 for t in (a, b, c))  # each view starts on 16 bytes, as a fresh tensor
 
 
-def test_outside_graph_pools_reuses_one_worker_and_runs_nested_builds_in_it(monkeypatch):
-    """CUDA builds run in one worker thread (not the caller's: torch.compile's CUDA-graph trees send the caller's
-    allocations to a graph pool), started once; a build that asks again runs in place (a nested submit to the one
-    worker would wait for itself). The CUDA calls are stand-ins here."""
+@pytest.mark.parametrize("tree_pool", [True, False], ids=["graph-tree-warming-up", "eager"])
+def test_outside_graph_pools_reuses_one_worker_and_runs_nested_builds_in_it(tree_pool, monkeypatch):
+    """While a CUDA-graph tree of this thread may be warming up (torch.compile's trees send the caller's allocations
+    to a graph pool), CUDA builds run in one worker thread, started once; a build that asks again runs in place (a
+    nested submit to the one worker would wait for itself). With no tree at work they run here (no thread hop).
+    The CUDA calls are stand-ins here."""
     import contextlib
     import threading
 
@@ -288,12 +290,43 @@ def test_outside_graph_pools_reuses_one_worker_and_runs_nested_builds_in_it(monk
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(sk, "_graph_tree_pool", lambda device: tree_pool)
     cuda = torch.device("cuda", 0)
     ident = lambda: threading.get_ident()  # noqa: E731
     outer, inner = sk.outside_graph_pools(lambda: (ident(), sk.outside_graph_pools(ident, cuda)), cuda)
     again = sk.outside_graph_pools(ident, cuda)
-    assert outer == inner == again != threading.get_ident()
-    assert sk.outside_graph_pools(ident, torch.device("cpu")) == threading.get_ident()
+    here = threading.get_ident()
+    assert outer == inner == again != here if tree_pool else outer == inner == again == here
+    assert sk.outside_graph_pools(ident, torch.device("cpu")) == here
+
+
+def test_graph_tree_pool_reads_this_threads_tree_manager(monkeypatch):
+    """A graph pool may be at work where this thread's tree manager on the device warms up or records; not where the
+    trees were never imported or the thread has no manager; and yes where torch's internals do not answer."""
+    import sys
+    import threading
+    import types
+
+    from xattn.torch import split_kv as sk
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees", raising=False)
+    assert not sk._graph_tree_pool(cuda)
+
+    def trees(manager):
+        local = threading.local()
+        local.tree_manager_containers = {0: types.SimpleNamespace(tree_manager=manager)}
+        return types.SimpleNamespace(local=local, get_obj=lambda loc, name: getattr(loc, name))
+
+    manager = lambda warmup, recording: types.SimpleNamespace(in_warmup=warmup, in_recording=recording)  # noqa: E731
+    for value, expected in ((manager(True, False), True), (manager(False, True), True),
+                            (manager(False, False), False), (None, False)):
+        monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees(value))
+        assert sk._graph_tree_pool(cuda) == expected, value
+    broken = trees(manager(False, False))
+    broken.get_obj = lambda loc, name: 1 / 0
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", broken)
+    assert sk._graph_tree_pool(cuda)
 
 
 def _packed(lens_q, lens_k, hq, hkv, d, dv, seed, trailing_q=0, trailing_k=0):

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import sys
 import threading
 from typing import NamedTuple
 
@@ -199,10 +200,13 @@ def int32_lists(device: torch.device, *lists: list) -> list[Tensor]:
 def outside_graph_pools(build, device: torch.device):
     """``build()`` for tensors the memo keeps past this call. torch.compile's CUDA-graph trees send every
     allocation of the thread that warms up or records a graph to the graph's pool and refuse a pool tensor
-    that outlives the graph's outputs ("tensors in the cudagraph pool not tracked as outputs"); so a CUDA
-    ``build`` runs in a worker thread (the normal pool) on the caller's current stream (ordered with its
-    work). Inside a raw stream capture (``torch.cuda.graph``) it runs here: the capture's pool holds them."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or getattr(_WORKER_STATE, "inside", False):
+    that outlives the graph's outputs ("tensors in the cudagraph pool not tracked as outputs"); so while a graph
+    tree of this thread may be warming up (:func:`_graph_tree_pool`), a CUDA ``build`` runs in a worker thread
+    (the normal pool) on the caller's current stream (ordered with its work). Inside a raw stream capture
+    (``torch.cuda.graph``) it runs here: the capture's pool holds them; and here where no graph tree is at work (an
+    eager decode step that sets up a new cache length, HF's DynamicCache: no thread hop, ~0.1 ms of host)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or getattr(_WORKER_STATE, "inside", False) \
+            or not _graph_tree_pool(device):
         return build()
     stream = torch.cuda.current_stream(device)
 
@@ -215,6 +219,27 @@ def outside_graph_pools(build, device: torch.device):
             _WORKER_STATE.inside = False
 
     return _worker().submit(run).result()
+
+
+def _graph_tree_pool(device: torch.device) -> bool:
+    """Whether torch.compile's CUDA-graph trees may be sending this thread's allocations on ``device`` to a graph's
+    pool: their tree manager of this thread warming up or recording (its state stays so until its next step, so
+    this errs towards yes). No: the trees were never imported, or this thread has no manager on ``device``. Yes
+    where their internals do not answer (a torch that changed them): the worker thread is the safe way."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:
+        if not torch._C._is_key_in_tls("tree_manager_containers") and not hasattr(trees.local,
+                                                                                  "tree_manager_containers"):
+            return False  # no tree manager was ever made on this thread
+        containers = trees.get_obj(trees.local, "tree_manager_containers")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        container = containers.get(index)
+        manager = None if container is None else container.tree_manager
+        return manager is not None and (manager.in_warmup or manager.in_recording)
+    except Exception:  # noqa: BLE001 - torch's private internals moved: assume a pool may be at work
+        return True
 
 
 _WORKER_STATE = threading.local()
