@@ -30,7 +30,7 @@ def rows() -> dict:
     from xattn.torch import ffpa_attention as fa, ops
     from xattn.torch.hf import support
 
-    ops.LAUNCH["fwd"] = ops.LAUNCH["combine"] = lambda *args, **kwargs: None  # (the d512 decode: split-KV, #43)
+    ops.LAUNCH["fwd"] = ops.LAUNCH["combine"] = ops.LAUNCH["slot_call"] = lambda *args, **kwargs: None  # split-KV, #43
     support.kernels_available = lambda: None
 
     class Layer(torch.nn.Module):

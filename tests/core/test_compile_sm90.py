@@ -8,7 +8,7 @@ import tvm_ffi
 
 from xattn.core import cache
 from xattn.core.paged import PagedMetaSpec
-from xattn.core.split_kv import CombineSpec, SplitMetaSpec, split_launch_spec
+from xattn.core.split_kv import CombineSpec, SlotCallSpec, SplitMetaSpec, split_launch_spec
 from xattn.core.spec import KernelSpec
 
 pytestmark = pytest.mark.compile
@@ -85,6 +85,10 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     CombineSpec("fa4", "bfloat16", 128, 4), CombineSpec("ffpa", "float16", 512, 16),
     CombineSpec("ffpa", "bfloat16", 384, 8), CombineSpec("fa4", "float16", 96, 16))]
+# The slot call (xattn.core.slot_call_sm90): the slot launch and the combine in one host function, per family.
+SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
+    SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 16), SlotCallSpec("fa4", "float16", 256, 256, 2, 8),
+    SlotCallSpec("ffpa", "bfloat16", 512, 512, 8, 16), SlotCallSpec("ffpa", "float16", 512, 512, 4, 16, tail=True))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

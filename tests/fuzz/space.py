@@ -132,11 +132,13 @@ def split_launchers() -> list:
     """The launchers the split-KV forward of the pool's entries (dense and packed) runs when the fuzz forces it:
     the family's varlen forward (non-causal splits, with the decode tile where the core has one, on q as it is where
     :func:`xattn.core.split_kv.shared_queries` holds, else on q once per slot; causal tail), the slot launch's
-    dense non-causal forward (:func:`xattn.core.split_kv.slot_launch`, FA4's on its decode tile) and the combine
+    dense non-causal forward (:func:`xattn.core.split_kv.slot_launch`, FA4's on its decode tile), the slot call
+    (that launch, FFPA's tail and the combine in one host function: eager 16-bit calls) and the combine
     (:mod:`xattn.core.split_kv`)."""
     import dataclasses
 
-    from xattn.core.split_kv import COMBINE_CHUNKS, SLOT_FAMILIES, CombineSpec, split_launch_spec
+    from xattn.core.split_kv import (COMBINE_CHUNKS, SLOT_FAMILIES, TAIL_SLOT_FAMILIES, CombineSpec, SlotCallSpec,
+                                     split_launch_spec)
 
     out = []
     for s in launcher_pool():
@@ -145,6 +147,8 @@ def split_launchers() -> list:
             out.append(split_launch_spec(dataclasses.replace(s, varlen=True, causal=False), shared_q=True))
             if s.family in SLOT_FAMILIES:
                 out.append(split_launch_spec(dataclasses.replace(s, varlen=False, causal=False)))
+                out += [SlotCallSpec(s.family, s.dtype, s.head_dim, s.head_dim_v, s.qhead_per_kvhead, c, tail)
+                        for c in COMBINE_CHUNKS for tail in (False, True) if not tail or s.family in TAIL_SLOT_FAMILIES]
             out += [CombineSpec(s.family, s.dtype, s.head_dim_v, c) for c in COMBINE_CHUNKS]
     return list(dict.fromkeys(out))
 

@@ -9,6 +9,7 @@ from tests.reference import attention as ref_attention, attention_bwd as ref_bwd
 from tests.shared_queries import shared_query_rows
 from xattn.core import paged
 from xattn.core.checks import Memo, Meta, buffer_shapes, validate
+from xattn.core.split_kv import CombineSpec
 from xattn.torch import ops
 
 CALLS = []
@@ -150,6 +151,39 @@ def _stub_combine():
     return run
 
 
+def _stub_slot_call(fwd, combine):
+    def run(spec, q, k, v, out, lse, work, *, splits, softmax_scale, tail_cu_seqlens=None, stream=None):
+        """The slot call's contract (xattn.core.api.launch_slot_call): the dense forward stand-in on the slot views
+        (q batch stride 0, k/v ``c`` rows per slot) into the partials, laid out in ``work`` as the launcher's
+        docstring says, the causal tail's varlen stand-in into slot S, then the combine stand-in into out and lse."""
+        from xattn.core.split_kv import combine_chunk, slot_work_floats
+
+        nq, hq, nk, dv = q.shape[1], q.shape[2], k.shape[1], v.shape[-1]
+        parts = splits + spec.tail
+        assert (tail_cu_seqlens is not None) == spec.tail and (nk > nq if spec.tail else nk % splits == 0)
+        assert work.dtype == torch.float32 and work.shape[0] >= slot_work_floats(parts, nq, hq, dv)
+        assert spec.chunk == combine_chunk(parts), (spec.short_name(), parts)
+        c = (nk - nq) // splits if spec.tail else nk // splits
+        slot = lambda t: t.as_strided((splits, c, *t.shape[2:]), (c * t.stride(1), *t.stride()[1:]),  # noqa: E731
+                                      t.storage_offset())
+        q_slots = q.as_strided((splits, *q.shape[1:]), (0, *q.stride()[1:]), q.storage_offset())
+        n = parts * nq * hq * dv // 2
+        out_p = work[:n].view(q.dtype).view(parts, nq, hq, dv)
+        lse_p = work[n:n + parts * hq * nq].view(parts, hq, nq)
+        fwd((spec.launch_spec(), None), q_slots, slot(k), slot(v), out_p[:splits], lse_p[:splits],
+            softmax_scale=softmax_scale)
+        if spec.tail:
+            cu_q, cu_k = tail_cu_seqlens
+            assert cu_q.tolist() == [0, 0, nq] and cu_k.tolist() == [0, splits * c, nk]
+            fwd((spec.tail_spec(), None), q[0], k[0], v[0], out_p[splits], lse_p[splits], softmax_scale=softmax_scale,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=nq, max_seqlen_k=nk - splits * c)
+        del CALLS[-1 - spec.tail:]
+        combine(CombineSpec(spec.family, spec.dtype, dv, spec.chunk), out_p.unsqueeze(1),
+                lse_p.permute(0, 2, 1).unsqueeze(1), out, lse.permute(0, 2, 1))
+        CALLS[-1] = ("slot_call", spec.family)
+    return run
+
+
 def _stub_paged():
     def run(spec, q, k_pool, v_pool, kv_meta, out, lse, *, softmax_scale, cu_seqlens_q=None, stream=None):
         """A paged forward in fp64 (xattn.core.api.launch_paged_fwd's contract): row b reads its first
@@ -265,7 +299,8 @@ def paged_spec_any_head_dim(family, dtype, d, dv, g, causal, left, right, page_s
 _real_paged_spec = ops.paged_spec
 _REPLACED = {
     "LAUNCH": lambda: {"fwd": _stub_fwd(), "bwd": _stub_bwd(), "combine": _stub_combine(), "paged": _stub_paged(),
-               "paged_meta": _stub_paged_meta(), "split_meta": _stub_split_meta()},
+               "paged_meta": _stub_paged_meta(), "split_meta": _stub_split_meta(),
+               "slot_call": _stub_slot_call(_stub_fwd(), _stub_combine())},
     "validate": lambda: validate_any_head_dim,
     "paged_spec": lambda: paged_spec_any_head_dim,
     "check_buffers": lambda: check_shapes_only,

@@ -102,6 +102,96 @@ def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, sp
     assert len(seen) == 1 + len(beside)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("family, d, nq, nk, causal, splits", [
+    ("fa4", 128, 1, 1536, True, 3), ("fa4", 128, 1, 1500, True, 4), ("ffpa", 16, 3, 1024, False, 7),
+    ("fa4", 64, 2, 640, False, 5), ("ffpa", 16, 1, 900, True, 6),
+    ("ffpa", 16, 4, 900, True, 3), ("ffpa", 16, 16, 1000, True, 7), ("ffpa", 16, 5, 6, True, 4),  # causal tails
+])
+def test_one_sequence_is_one_slot_call(layout, family, d, nq, nk, causal, splits, dtype):
+    """B = 1 on the slot launch (S dividing the keys, or FFPA's causal tail in place), 16-bit inputs, eager: the
+    split route is one core call (the slot launch, the tail and the combine in one host function,
+    xattn.core.slot_call_sm90) whose compile key names the launches the two-launch path ran and the combine's chunk
+    for P; twice on the same signature, still one call each. Values against fp64 within the partials' rounding to
+    the input dtype."""
+    from xattn.core.split_kv import SlotCallSpec, combine_chunk, split_launch_spec
+    from xattn.core.spec import KernelSpec
+    from xattn.torch import ops
+
+    seen, real = [], ops.LAUNCH["slot_call"]
+
+    def record(spec, *args, splits, **kw):
+        seen.append((spec, splits))
+        return real(spec, *args, splits=splits, **kw)
+
+    ops.LAUNCH["slot_call"] = record  # (stubs.install restores LAUNCH per test)
+    plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
+    slots = split_kv.slot_launch(plan, family, 1, nk, nq)
+    assert bool(slots.rest) == plan.tail
+    for seed in (1, 2):
+        q, k, v = (t.to(dtype) for t in _decode_inputs(1, nq, 8, 2, nk, d, layout, seed=seed))
+        CALLS.clear()
+        out, lse = xt.attention_with_lse(q, k, v, causal=causal, family=family, num_splits=splits)
+        assert CALLS == [("slot_call", family)], CALLS
+        ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), scale=d ** -0.5, causal=causal)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)  # partials rounded to dtype
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    name = str(dtype).removeprefix("torch.")
+    want = SlotCallSpec(family, name, d, d, 4, combine_chunk(slots.partials), tail=plan.tail)
+    assert seen == [(want, plan.splits)] * 2
+    assert want.launch_spec() == split_launch_spec(KernelSpec(family, "fwd", name, d, d, 4, False, False))
+    assert want.tail_spec() == (KernelSpec(family, "fwd", name, d, d, 4, True, True) if plan.tail else None)
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_under_capture_the_causal_tail_runs_beside_the_splits(beside, monkeypatch):
+    """Under CUDA-graph capture (stood in for here) a step with FFPA's causal tail keeps the launches one by one, the
+    tail on a second stream (a parallel branch of the graph; split_kv.CAPTURED_TAIL_BESIDE, measured faster there);
+    switched off, the slot call is captured instead. The same memo serves both: eager steps stay one call."""
+    from xattn.torch import split_kv as torch_split_kv
+
+    monkeypatch.setattr(torch_split_kv, "CAPTURED_TAIL_BESIDE", beside)
+    q, k, v = (t.to(torch.bfloat16) for t in _decode_inputs(1, 4, 8, 2, 900, 16, "contiguous", seed=3))
+    ref_out, _ = ref_attention(q.double(), k.double(), v.double(), scale=16 ** -0.5, causal=True)
+    for capturing in (True, False):
+        monkeypatch.setattr(torch_split_kv, "_capturing", lambda device, _c=capturing: _c)
+        CALLS.clear()
+        out = xt.attention(q, k, v, causal=True, family="ffpa", num_splits=3)
+        one = not (capturing and beside)
+        assert CALLS == ([("slot_call", "ffpa")] if one else [("fwd", "ffpa"), ("fwd", "ffpa"), ("combine", "ffpa")])
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+def test_the_slot_call_refuses_a_split_count_or_work_buffer_that_does_not_fit():
+    """The core entry names a bad S (not dividing Nk, out of range) or a work buffer too small before any launch."""
+    from xattn.core.api import launch_slot_call
+    from xattn.core.split_kv import SlotCallSpec
+
+    spec = SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 4)
+    q, k = torch.empty(1, 1, 8, 128), torch.empty(1, 1024, 2, 128)
+    out, lse = torch.empty(1, 1, 8, 128), torch.empty(1, 8, 1)
+    floats = split_kv.slot_work_floats(4, 1, 8, 128)
+    for splits, work, match in ((3, floats, "divide Nk 1024"), (0, floats, "splits"),
+                                (128, floats, "splits"), (4, floats - 1, f"at least {floats} floats")):
+        with pytest.raises(ValueError, match=match):
+            launch_slot_call(spec, q, k, k, out, lse, torch.empty(work), splits=splits, softmax_scale=0.1)
+    cu = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="tail_cu_seqlens: not taken"):
+        launch_slot_call(spec, q, k, k, out, lse, torch.empty(floats), splits=4, softmax_scale=0.1,
+                         tail_cu_seqlens=(cu, cu))
+    tail = SlotCallSpec("ffpa", "bfloat16", 512, 512, 4, 8, tail=True)
+    q5, k5, out5, lse5 = torch.empty(1, 4, 8, 512), torch.empty(1, 4, 2, 512), torch.empty(1, 4, 8, 512), \
+        torch.empty(1, 8, 4)
+    for kw, match in ((dict(), "tail_cu_seqlens: required"), (dict(tail_cu_seqlens=(cu, cu)), "Nk > Nq")):
+        with pytest.raises(ValueError, match=match):
+            launch_slot_call(tail, q5, k5, k5, out5, lse5, torch.empty(10 ** 6), splits=2, softmax_scale=0.1, **kw)
+    with pytest.raises(ValueError, match="chunk one of"):
+        SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 5)
+    with pytest.raises(ValueError, match="causal tail beside the slots"):
+        SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 4, tail=True)
+
+
 @pytest.mark.parametrize("family, d, nq, nk", [("fa4", 128, 1, 1536), ("ffpa", 16, 4, 900)],
                          ids=["fa4-even", "ffpa-tail"])
 def test_a_signature_seen_before_runs_the_slot_launch_from_its_memo(family, d, nq, nk, monkeypatch):

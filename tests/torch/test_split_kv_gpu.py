@@ -42,6 +42,10 @@ def _decode(b, nq, hq, hkv, nk, d, layout, seed, dtype=torch.bfloat16):
     pytest.param(128, 1, 3, 16, 8, 5001, False, id="d128-B1-q3-g2-not-causal-varlen"),
     pytest.param(256, 1, 1, 32, 16, 7001, True, id="d256-B1-keys-left-over-varlen"),
     pytest.param(512, 1, 1, 32, 4, 8192, True, id="d512-B1-slots-divide-the-keys"),
+    # ... and without a causal tail that is one host function (the slot call, xattn.core.slot_call_sm90)
+    pytest.param(256, 1, 1, 32, 16, 8192, True, id="d256-B1-slot-call"),
+    pytest.param(512, 1, 3, 32, 4, 6144, False, id="d512-B1-q3-not-causal-slot-call"),
+    pytest.param(128, 1, 2, 32, 16, 4096, False, id="d128-B1-q2-g2-not-causal-slot-call"),
 ])
 def test_split_kv_vs_fp64_and_fused(layout, d, b, nq, hq, hkv, nk, causal):
     q, k, v = _decode(b, nq, hq, hkv, nk, d, layout, seed=nk + d)
@@ -67,8 +71,10 @@ def test_auto_route_at_the_issue_shape_splits_and_matches():
     assert rel_err(out, ref_out) < 1e-2
 
 
-@pytest.mark.parametrize("b, nq, d, hkv, nk", [(2, 1, 512, 4, 8192), (2, 4, 512, 4, 8192), (1, 1, 128, 8, 8200)],
-                         ids=["q1", "q4-causal-tail-on-a-side-stream", "d128-B1-keys-left-over-varlen"])
+@pytest.mark.parametrize("b, nq, d, hkv, nk", [(2, 1, 512, 4, 8192), (2, 4, 512, 4, 8192), (1, 1, 128, 8, 8200),
+                                              (1, 1, 128, 8, 8192), (1, 1, 512, 4, 8192), (1, 4, 512, 4, 8192)],
+                         ids=["q1", "q4-causal-tail-on-a-side-stream", "d128-B1-keys-left-over-varlen",
+                              "d128-B1-slot-call", "d512-B1-slot-call", "d512-B1-q4-slots-and-tail"])
 def test_split_kv_under_a_cuda_graph(b, nq, d, hkv, nk):
     """Captured once (after a warm-up that builds the cu_seqlens), replayed on new values in the same buffers;
     with Nq > 1 the causal tail is a branch of the graph (its second stream)."""
@@ -107,6 +113,51 @@ def test_causal_tail_orders_its_stream_after_the_callers():
     torch.cuda.synchronize()
     ref_out, _ = ref_attention(q, k, v, scale=512 ** -0.5, causal=True)
     assert rel_err(got, ref_out) < 1e-2
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("d, nq, hkv, nk, causal, dtype", [
+    (128, 1, 8, 8192, True, torch.bfloat16), (128, 1, 8, 20000, True, torch.float16),
+    (256, 1, 16, 8192, True, torch.bfloat16), (512, 1, 4, 9000, True, torch.bfloat16),
+    (512, 3, 4, 6144, False, torch.float16), (512, 4, 4, 9001, True, torch.bfloat16),  # FFPA's causal tail inside
+    (512, 2, 4, 4100, True, torch.float16),
+])
+def test_slot_call_is_one_call_and_equals_the_two_launches_bit_for_bit(layout, d, nq, hkv, nk, causal, dtype,
+                                                                       monkeypatch):
+    """One sequence on the slot launch runs eagerly as one host function (xattn.core.slot_call_sm90: the dense split
+    launch, FFPA's causal tail and the combine, the partials in one work buffer): the same kernels as the launches
+    one by one (the tail on a second stream), so the same bits, out and lse; on a caller's own stream right after the
+    keys were written there (the call must enqueue on that stream). Judged against fp64 too."""
+    from xattn.torch import ops
+    from xattn.torch import split_kv as torch_split_kv
+
+    calls, real = [], ops.LAUNCH["slot_call"]
+    monkeypatch.setitem(ops.LAUNCH, "slot_call", lambda *a, **kw: (calls.append(a[0]), real(*a, **kw))[1])
+    q, k, v = _decode(1, nq, 32, hkv, nk, d, layout, seed=nk + d + nq, dtype=dtype)
+    fresh = _decode(1, nq, 32, hkv, nk, d, layout, seed=nk + d + nq + 1, dtype=dtype)
+    busy = torch.randn(8192, 8192, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    poison_allocator()
+    with torch.cuda.stream(stream):
+        for _ in range(4):
+            busy = busy @ busy / 8192 ** 0.5  # keeps the stream busy for milliseconds
+        k.copy_(fresh[1])
+        v.copy_(fresh[2])
+        with routes.forced_forward("split-kv"):
+            out, lse = xt.attention_with_lse(q, k, v, causal=causal)
+        got = out.clone(), lse.clone()
+    torch.cuda.synchronize()
+    assert len(calls) == 1, "the slot call did not run"
+    monkeypatch.setattr(ops, "_SLOT_CALLS", type(ops._SLOT_CALLS)(256))
+    two = torch_split_kv.slot_call
+    monkeypatch.setattr(torch_split_kv, "slot_call", lambda *a: two(*a)._replace(call=None))
+    with routes.forced_forward("split-kv"):
+        out2, lse2 = xt.attention_with_lse(q, k, v, causal=causal)
+    assert len(calls) == 1  # the two launches this time
+    assert torch.equal(got[0], out2) and torch.equal(got[1], lse2)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=causal)
+    assert rel_err(got[0], ref_out) < 1e-2 and (got[1].double() - ref_lse).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("d, lens_q, lens_k, hq, hkv, causal, trailing", [

@@ -40,12 +40,12 @@ from .checks import (Meta, Problem, as_tensor, check_attention, check_layout_siz
                      check_workspace, quick_check, validate)
 from .spec import KernelSpec, supports
 from .paged import PagedMetaSpec
-from .split_kv import MAX_PARTIALS, CombineSpec, SplitMetaSpec
+from .split_kv import MAX_PARTIALS, CombineSpec, SlotCallSpec, SplitMetaSpec, slot_work_floats
 from .varlen_check import check_host, checking
 from .workspace import bwd_workspace_shapes
 
 __all__ = ["ffpa_fwd", "ffpa_bwd", "fa4_fwd", "fa4_bwd", "bwd_workspace", "launch_fwd", "launch_bwd", "launch_combine",
-           "launch_paged_fwd", "launch_paged_meta", "launch_split_meta"]
+           "launch_paged_fwd", "launch_paged_meta", "launch_split_meta", "launch_slot_call"]
 
 
 def _workspace_layout(spec: KernelSpec, p: Problem):
@@ -282,6 +282,37 @@ def launch_split_meta(spec: SplitMetaSpec, keys, cu_k, tail_k, lse_fill, packed=
     views = [as_tensor(a, "buffer") for a in args[:8]]
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
         function(*views, *args[8:])
+
+
+def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int, softmax_scale: float,
+                     tail_cu_seqlens=None, stream: int | None = None) -> None:
+    """Enqueue the split-KV route's slot call (:mod:`xattn.core.slot_call_sm90`): the slot launch of one sequence,
+    with ``spec.tail`` its causal tail, and the combine, one host function. Reads q ``[1, Nq, Hq, D]``, k/v ``[1, Nk,
+    Hkv, D/Dv]`` (``spec.dtype``, any strides with a unit last one); writes every element of out ``[1, Nq, Hq, Dv]``
+    and lse ``[1, Hq, Nq]`` (f32, Nq stride 1), and ``work`` (f32, at least :func:`slot_work_floats` floats of
+    P = S + tail partials). ``splits`` S: dividing Nk without a tail; with one, ``tail_cu_seqlens = (tail_cu_q,
+    tail_cu_k)`` int32 ``[3]`` on the device, ``[0, 0, Nq]`` and ``[0, S c, Nk]`` for ``c = (Nk - Nq) // S`` (values
+    trusted) and Nk > Nq. ``softmax_scale`` as :func:`launch_fwd`'s. Shapes, dtypes and strides are checked in C by
+    the launcher, S, the tail and the work's size here."""
+    nk, nq, hq, dv = k.shape[1], q.shape[1], q.shape[2], v.shape[-1]
+    if (tail_cu_seqlens is not None) != spec.tail:
+        raise ValueError(f"tail_cu_seqlens: {'required' if spec.tail else 'not taken'} by {spec.short_name()}")
+    if not 1 <= splits < MAX_PARTIALS or (nk % splits if not spec.tail else nk <= nq):
+        raise ValueError(f"launch_slot_call: splits must be in 1-{MAX_PARTIALS - 1} and "
+                         f"{'Nk > Nq' if spec.tail else f'divide Nk {nk}'}; got splits {splits}, Nq {nq}, Nk {nk}")
+    floats = slot_work_floats(splits + spec.tail, nq, hq, dv)
+    if len(work.shape) != 1 or work.shape[0] < floats:
+        raise ValueError(f"work: expected at least {floats} floats (S {splits}, tail {spec.tail}, Nq {nq}, Hq {hq}, "
+                         f"Dv {dv}), got shape {tuple(work.shape)}")
+    args = (q, k, v, *(tail_cu_seqlens or ()), out, lse, work)
+    function = get_launcher(spec).function
+    if stream is None:
+        function(*args, splits, softmax_scale)
+        return
+    _check_stream(stream)
+    views = [as_tensor(a, "buffer") for a in args]
+    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
+        function(*views, splits, softmax_scale)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

@@ -19,7 +19,7 @@ from . import disk_cache
 from .device import cuda_gpus
 from .spec import KernelSpec, supports
 from .paged import PagedMetaSpec
-from .split_kv import CombineSpec, SplitFwdSpec, SplitMetaSpec
+from .split_kv import CombineSpec, SlotCallSpec, SplitFwdSpec, SplitMetaSpec
 
 __all__ = ["Launcher", "get_launcher", "cached_specs", "clear", "set_compiler"]
 
@@ -50,6 +50,9 @@ def _default_compiler(spec: KernelSpec):
     if isinstance(spec, CombineSpec):  # the split-KV route's merge (xattn.core.split_kv)
         from .combine_sm90 import compile_combine
         return compile_combine(spec)
+    if isinstance(spec, SlotCallSpec):  # the slot launch and the combine as one host function (xattn.core.split_kv)
+        from .slot_call_sm90 import compile_slot_call
+        return compile_slot_call(spec)
     if isinstance(spec, PagedMetaSpec):  # the paged split route's index kernel (xattn.core.paged)
         from .paged_meta_sm90 import compile_paged_meta
         return compile_paged_meta(spec)

@@ -124,7 +124,8 @@ def _source_fingerprint() -> str:
 # Launchers built by a module of their own: its source joins their key (a GemmSpec carries its sources' digest).
 _KIND_SOURCES = {"paged": ("paged_sm90.py",), "CombineSpec": ("combine_sm90.py", "split_kv.py"),
                  "PagedMetaSpec": ("paged_meta_sm90.py",),
-                 "SplitMetaSpec": ("split_meta_sm90.py", "paged_meta_sm90.py")}
+                 "SplitMetaSpec": ("split_meta_sm90.py", "paged_meta_sm90.py"),
+                 "SlotCallSpec": ("slot_call_sm90.py", "combine_sm90.py", "split_kv.py")}
 
 
 @functools.cache

@@ -59,7 +59,8 @@ from pathlib import Path
 
 from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 
-__all__ = ["SplitPlan", "CombineSpec", "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
+__all__ = ["SplitPlan", "CombineSpec", "SlotCallSpec", "slot_work_floats",
+           "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
            "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_launch", "SlotLaunch",
            "SLOT_FAMILIES", "TAIL_SLOT_FAMILIES", "shared_queries", "combine_chunk", "COMBINE_CHUNKS",
            "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
@@ -358,6 +359,68 @@ def shared_queries(family: str, head_dim: int, head_dim_v: int, g: int) -> bool:
     The launch's documents are the route's (:func:`split_cu_seqlens`), its q the call's own ``[B*Nq, Hq, D]``; the
     other launches take q once per slot."""
     return family == "fa4" and (head_dim, head_dim_v) in SPLIT_TILES and g > 1
+
+
+def slot_call_digest() -> str:
+    """Digest of the slot call's sources (:mod:`xattn.core.slot_call_sm90` and the combine it inlines)."""
+    return _module_digest("slot_call_sm90.py") + _module_digest("combine_sm90.py")
+
+
+@dataclass(frozen=True)
+class SlotCallSpec(FieldsHashed):
+    """Compile key of the **slot call** (:mod:`xattn.core.slot_call_sm90`): the slot launch of one sequence
+    (:func:`slot_launch`), with ``tail`` its causal tail (:data:`TAIL_SLOT_FAMILIES`), and the combine as one host
+    function: a decode step's one TVM-FFI call. The launches inside are :meth:`launch_spec` (the family's dense
+    non-causal forward, FA4's on its decode tile) and :meth:`tail_spec`; ``chunk`` the combine's
+    (:func:`combine_chunk` of P). Goes through the launcher and disk caches as the combine does."""
+
+    family: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    qhead_per_kvhead: int
+    chunk: int = COMBINE_CHUNKS[-1]
+    tail: bool = False
+    arch: str = "sm_90a"
+    source: str = field(default_factory=slot_call_digest)
+    versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
+
+    __hash__ = FieldsHashed.cached_hash
+
+    def __post_init__(self):
+        if self.chunk not in COMBINE_CHUNKS:
+            raise ValueError(f"SlotCallSpec: chunk one of {COMBINE_CHUNKS}, got {self.chunk}")
+        if self.tail and self.family not in TAIL_SLOT_FAMILIES:
+            raise ValueError(f"SlotCallSpec: a causal tail beside the slots is {TAIL_SLOT_FAMILIES}'s, not "
+                             f"{self.family!r}'s")
+        super().__post_init__()
+
+    def _forward(self, causal: bool, varlen: bool) -> KernelSpec:
+        return KernelSpec(self.family, "fwd", self.dtype, self.head_dim, self.head_dim_v, self.qhead_per_kvhead,
+                          causal, varlen, arch=self.arch)
+
+    def launch_spec(self) -> KernelSpec:
+        """The split launch inside: the dense non-causal forward of these dims (:func:`split_launch_spec`)."""
+        return split_launch_spec(self._forward(False, False))
+
+    def tail_spec(self) -> KernelSpec | None:
+        """The causal tail's launch inside (the family's causal varlen forward), ``None`` without a tail."""
+        return self._forward(True, True) if self.tail else None
+
+    def short_name(self) -> str:
+        # "<family>_fwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
+        return (f"{self.family}_fwd_slotcall_{self.dtype}_d{self.head_dim}x{self.head_dim_v}_g{self.qhead_per_kvhead}"
+                f"_c{self.chunk}{'_tail' * self.tail}_{self.arch}")
+
+    def target_name(self) -> str:
+        digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]
+        return f"xattn_{self.short_name()}_{digest}"
+
+
+def slot_work_floats(partials: int, seqlen_q: int, heads_q: int, head_dim_v: int) -> int:
+    """Floats of the slot call's ``work`` buffer: ``out_partial [P, Nq, Hq, Dv]`` (16-bit) then ``lse_partial
+    [P, Hq, Nq]`` (f32), P the splits and the tail's slot."""
+    return partials * seqlen_q * heads_q * (head_dim_v // 2 + 1)
 
 
 def split_launch(checked: tuple, shared_q: bool = False) -> tuple:

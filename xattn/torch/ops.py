@@ -26,7 +26,7 @@ from torch import Tensor
 
 import xattn.core as xc
 from xattn.core.api import (launch_bwd, launch_combine, launch_fwd, launch_paged_fwd, launch_paged_meta,
-                            launch_split_meta)
+                            launch_slot_call, launch_split_meta)
 from xattn.core.checks import Memo, Meta, Problem, as_tensor, check_buffers, check_layout_sizes, check_scale, validate
 from xattn.core import gemm_bwd_plan, routes, split_kv
 from xattn.core.determinism import nondeterministic_op
@@ -56,7 +56,7 @@ def paged_spec(family: str, dtype: str, d: int, dv: int, g: int, causal: bool, l
 
 # the core's launch entries, by direction (tests swap them for stand-ins that run without a GPU)
 LAUNCH = {"fwd": launch_fwd, "bwd": launch_bwd, "combine": launch_combine, "paged": launch_paged_fwd,
-          "paged_meta": launch_paged_meta, "split_meta": launch_split_meta}
+          "paged_meta": launch_paged_meta, "split_meta": launch_split_meta, "slot_call": launch_slot_call}
 
 
 def _meta(name: str, t) -> Meta:

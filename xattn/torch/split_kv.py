@@ -23,7 +23,7 @@ from torch import Tensor
 
 from xattn.core import split_kv
 from xattn.core.checks import Memo
-from xattn.core.split_kv import CombineSpec, SplitMetaSpec, SplitPlan
+from xattn.core.split_kv import CombineSpec, SlotCallSpec, SplitMetaSpec, SplitPlan
 
 from . import ops
 
@@ -390,14 +390,21 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     _launches(plan, setup, q, q_split, kf, vf, scale, out_p, lse_p, lse_t, out, lse, in_place, fill_tail=True)
 
 
+CAPTURED_TAIL_BESIDE = True  # under CUDA-graph capture a causal tail runs beside the splits (SlotCall.run)
+
+
 class SlotCall(NamedTuple):
     """A call signature on the slot launch (:func:`slot_call`): the plan, the slots and their set-up, derived once;
     :meth:`run` is the whole split route of one call (the front end keeps it per signature, a decode step's only
-    decision then being the memo's lookup)."""
+    decision then being the memo's lookup). ``call``: the slot call's compile key (the slot launch, its causal tail
+    and the combine in one host function, :mod:`xattn.core.slot_call_sm90`; ``None`` for dtypes the kernels do not
+    take). Eager, a step is that one call; under CUDA-graph capture a causal tail runs beside the splits on a second
+    stream instead (:data:`CAPTURED_TAIL_BESIDE`: a parallel branch of the graph, where replays pay no host time)."""
 
     plan: SplitPlan
     slots: split_kv.SlotLaunch
     setup: _Setup
+    call: SlotCallSpec | None = None
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor, lse: Tensor) -> None:
         """Write ``out [1, Nq, Hq, Dv]`` and ``lse [1, Hq, Nq]`` (any content before) for q ``[1, Nq, Hq, D]`` on
@@ -405,10 +412,16 @@ class SlotCall(NamedTuple):
         forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on ``k_slots [S, chunk, Hkv, D]`` (batch stride
         ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq, Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail
         beside them writes slot S (its varlen layouts are the same rows); the combine writes out and lse. Only the
-        views and buffers the launches need (a decode step's host time)."""
-        plan, slots, setup = self
+        buffers the launches need (a decode step's host time): without a tail one buffer and one call."""
+        plan, slots, setup, call = self
         nq, hq = q.shape[1], q.shape[2]
         s, parts = plan.splits, slots.partials
+        if call is not None and not (slots.rest and CAPTURED_TAIL_BESIDE and _capturing(q.device)):
+            work = torch.empty(split_kv.slot_work_floats(parts, nq, hq, v.shape[-1]), dtype=torch.float32,
+                               device=q.device)  # the partials, laid out inside the call
+            ops.LAUNCH["slot_call"](call, q, k, v, out, lse, work, splits=s, softmax_scale=scale,
+                                    tail_cu_seqlens=(setup.tail_q, setup.tail_k) if slots.rest else None)
+            return
         q_slots, k_slots, v_slots = _slot_views(s, slots.chunk, q, k, v)
         out_p = torch.empty((parts, nq, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
         lse_p = torch.empty((parts, hq, nq), dtype=torch.float32, device=q.device)
@@ -434,7 +447,13 @@ def slot_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor) -> 
     if slots is None:
         return None
     views = _slot_views(plan.splits, slots.chunk, q, k, v)
-    return SlotCall(plan, slots, _slot_setup(plan, slots, family, *views, q, k, v))
+    setup = _slot_setup(plan, slots, family, *views, q, k, v)
+    call = None
+    if q.element_size() == 2:  # the slot call (the kernels' dtypes; its key from the validated split launch's)
+        spec = setup.checked[0]
+        call = SlotCallSpec(spec.family, spec.dtype, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
+                            setup.combine.chunk, tail=bool(slots.rest))
+    return SlotCall(plan, slots, setup, call)
 
 
 def _slot_views(s: int, chunk: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
