@@ -292,14 +292,16 @@ def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int
     and lse ``[1, Hq, Nq]`` (f32, Nq stride 1), and ``work`` (f32, at least :func:`slot_work_floats` floats of
     P = S + tail partials). ``splits`` S: dividing Nk without a tail; with one, ``tail_cu_seqlens = (tail_cu_q,
     tail_cu_k)`` int32 ``[3]`` on the device, ``[0, 0, Nq]`` and ``[0, S c, Nk]`` for ``c = (Nk - Nq) // S`` (values
-    trusted) and Nk > Nq. ``softmax_scale`` as :func:`launch_fwd`'s. Shapes, dtypes and strides are checked in C by
-    the launcher, S, the tail and the work's size here."""
+    trusted); at least one key per split either way. ``softmax_scale`` as :func:`launch_fwd`'s. Shapes, dtypes and
+    strides are checked in C by the launcher, S, the tail and the work's size here."""
     nk, nq, hq, dv = k.shape[1], q.shape[1], q.shape[2], v.shape[-1]
     if (tail_cu_seqlens is not None) != spec.tail:
         raise ValueError(f"tail_cu_seqlens: {'required' if spec.tail else 'not taken'} by {spec.short_name()}")
-    if not 1 <= splits < MAX_PARTIALS or (nk % splits if not spec.tail else nk <= nq):
-        raise ValueError(f"launch_slot_call: splits must be in 1-{MAX_PARTIALS - 1} and "
-                         f"{'Nk > Nq' if spec.tail else f'divide Nk {nk}'}; got splits {splits}, Nq {nq}, Nk {nk}")
+    keys = nk - nq if spec.tail else nk  # the splits' keys: every slot holds at least one
+    if not 1 <= splits < MAX_PARTIALS or keys < splits or (not spec.tail and nk % splits):
+        raise ValueError(f"launch_slot_call: splits must be in 1-{MAX_PARTIALS - 1}, at most the splits' keys "
+                         f"({'Nk - Nq' if spec.tail else 'Nk'}){'' if spec.tail else f' and divide Nk {nk}'}; got "
+                         f"splits {splits}, Nq {nq}, Nk {nk}")
     floats = slot_work_floats(splits + spec.tail, nq, hq, dv)
     if len(work.shape) != 1 or work.shape[0] < floats:
         raise ValueError(f"work: expected at least {floats} floats (S {splits}, tail {spec.tail}, Nq {nq}, Hq {hq}, "

@@ -412,7 +412,7 @@ class SlotCall(NamedTuple):
         forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on ``k_slots [S, chunk, Hkv, D]`` (batch stride
         ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq, Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail
         beside them writes slot S (its varlen layouts are the same rows); the combine writes out and lse. Only the
-        buffers the launches need (a decode step's host time): without a tail one buffer and one call."""
+        buffers the launches need (a decode step's host time): the slot call, one buffer and one call."""
         plan, slots, setup, call = self
         nq, hq = q.shape[1], q.shape[2]
         s, parts = plan.splits, slots.partials
