@@ -60,8 +60,8 @@ class _SlotCall:
         v_slots = cute.make_tensor(mV.iterator, cute.make_layout(
             (splits, chunk, hkv, dv), stride=(chunk * mV.stride[1], mV.stride[1], mV.stride[2], 1)))
         rows = nq * hq  # one slot's query rows
-        # offsets into work keep its 16-byte alignment in the pointers' types (Dv a multiple of 8: the combine's):
-        # FFPA's varlen forward faults on an out pointer typed less aligned (H100, the tail's slot)
+        # offsets into work keep its 16-byte alignment in the pointers' types (Dv a multiple of 8: the combine's), as
+        # the launchers' own arguments claim (the tail's fault was its out strides, below; not this alone)
         at = lambda floats: mWork.iterator + cute.assume(floats, divby=4)  # noqa: E731
         out_ptr = cute.recast_ptr(mWork.iterator, dtype=self.dtype)
         lse_ptr = at(parts * rows * (dv // 2))
