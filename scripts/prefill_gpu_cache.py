@@ -152,12 +152,12 @@ def specs(recorded=None, fuzz=False):
     out += [split_launch_spec(s) for s in out if isinstance(s, KernelSpec) and split_launch_spec(s) is not s]
     out += [split_launch_spec(s, shared_q=True) for s in out  # torch's contiguous split launch: q as it is
             if isinstance(s, KernelSpec) and type(s) is KernelSpec and s.varlen and not s.causal]
-    from xattn.core.split_kv import SlotCallSpec
-    from xattn.core.split_kv import TAIL_SLOT_FAMILIES
-    out += [SlotCallSpec(s.family, s.dtype, s.head_dim, s.head_dim_v, s.qhead_per_kvhead, c, tail)  # torch's slot call
-            for s in out if isinstance(s, KernelSpec) and s.varlen and not s.causal and not s.is_local
-            and s.page_size is None for c in COMBINE_CHUNKS
-            for tail in (False, True) if not tail or s.family in TAIL_SLOT_FAMILIES]
+    from xattn.core.split_kv import BATCHED_SLOT_FAMILIES, TAIL_SLOT_FAMILIES, SlotCallSpec
+    out += [SlotCallSpec(s.family, s.dtype, s.head_dim, s.head_dim_v, s.qhead_per_kvhead, c, tail, batched)
+            for s in out if isinstance(s, KernelSpec) and s.varlen and not s.causal and not s.is_local  # torch's
+            and s.page_size is None for c in COMBINE_CHUNKS  # slot calls, one sequence and batched
+            for tail in (False, True) if not tail or s.family in TAIL_SLOT_FAMILIES
+            for batched in (False, True) if not batched or s.family in BATCHED_SLOT_FAMILIES]
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

@@ -88,7 +88,9 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
 # The slot call (xattn.core.slot_call_sm90): the slot launch and the combine in one host function, per family.
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 16), SlotCallSpec("fa4", "float16", 256, 256, 2, 8),
-    SlotCallSpec("ffpa", "bfloat16", 512, 512, 8, 16), SlotCallSpec("ffpa", "float16", 512, 512, 4, 16, tail=True))]
+    SlotCallSpec("ffpa", "bfloat16", 512, 512, 8, 16), SlotCallSpec("ffpa", "float16", 512, 512, 4, 16, tail=True),
+    SlotCallSpec("ffpa", "bfloat16", 512, 512, 8, 4, batched=True),  # B > 1: the varlen splits, the dense tail
+    SlotCallSpec("ffpa", "bfloat16", 384, 384, 4, 8, tail=True, batched=True))]
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

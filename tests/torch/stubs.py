@@ -152,11 +152,15 @@ def _stub_combine():
 
 
 def _stub_slot_call(fwd, combine):
-    def run(spec, q, k, v, out, lse, work, *, splits, softmax_scale, tail_cu_seqlens=None, stream=None):
+    def run(spec, q, k, v, out, lse, work, *, splits, softmax_scale, tail_cu_seqlens=None, cu_seqlens=None,
+            stream=None):
         """The slot call's contract (xattn.core.api.launch_slot_call): the dense forward stand-in on the slot views
         (q batch stride 0, k/v ``c`` rows per slot) into the partials, laid out in ``work`` as the launcher's
         docstring says, the causal tail's varlen stand-in into slot S, then the combine stand-in into out and lse."""
         from xattn.core.split_kv import combine_chunk, slot_work_floats
+
+        if spec.batched:
+            return _batched(spec, q, k, v, out, lse, work, splits, softmax_scale, cu_seqlens)
 
         nq, hq, nk, dv = q.shape[1], q.shape[2], k.shape[1], v.shape[-1]
         parts = splits + spec.tail
@@ -180,6 +184,40 @@ def _stub_slot_call(fwd, combine):
         del CALLS[-1 - spec.tail:]
         combine(CombineSpec(spec.family, spec.dtype, dv, spec.chunk), out_p.unsqueeze(1),
                 lse_p.permute(0, 2, 1).unsqueeze(1), out, lse.permute(0, 2, 1))
+        CALLS[-1] = ("slot_call", spec.family)
+
+    def _batched(spec, q, k, v, out, lse, work, splits, softmax_scale, cu_seqlens):
+        """The batched slot call (xattn.core.slot_call_sm90, "Batched"): q copied per slot, the varlen stand-in on
+        the flat key view by the call's own cu_seqlens, the dense causal stand-in on each sequence's last Nq keys into
+        slot S, the combine stand-in, every buffer at the offsets of ``work`` the launcher's docstring gives."""
+        from xattn.core.split_kv import combine_chunk, slot_work_floats
+
+        b, nq, hq, d = q.shape
+        nk, dv, parts = k.shape[1], v.shape[-1], splits + spec.tail
+        n = b * parts * nq
+        assert spec.chunk == combine_chunk(parts), (spec.short_name(), parts)
+        assert work.dtype == torch.float32 and work.shape[0] >= slot_work_floats(parts, nq, hq, dv, b, d)
+        cu_q, cu_k = cu_seqlens
+        assert cu_q.shape == cu_k.shape == (b * (parts + 1) + 1,) and int(cu_q[-1]) == n
+        rows = k.stride(0) // k.stride(1) if b > 1 else nk
+        flat = lambda t: t.as_strided((rows * (b - 1) + nk, *t.shape[2:]), t.stride()[1:],  # noqa: E731
+                                      t.storage_offset())
+        # the broadcast's slots (the tail's slot left as it was: its split document has no key)
+        q_split = work[:n * hq * d // 2].view(q.dtype).view(b, parts, nq, hq, d)
+        q_split[:, :splits] = q.unsqueeze(1)
+        at = n * hq * d // 2
+        out_p = work[at:at + n * hq * dv // 2].view(q.dtype).view(n, hq, dv)
+        lse_p = work[at + n * hq * dv // 2:at + n * hq * dv // 2 + hq * n].view(hq, n)
+        lse_p.fill_(float("-inf"))  # (the stand-in's pre-fill check: the kernel leaves keyless rows as they are)
+        fwd((spec.launch_spec(), None), q_split.view(n, hq, d), flat(k), flat(v), out_p, lse_p,
+            softmax_scale=softmax_scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=nq, max_seqlen_k=nk)
+        out_s, lse_s = out_p.view(b, parts, nq, hq, dv), lse_p.view(hq, b, parts, nq)
+        if spec.tail:
+            fwd((spec.tail_spec(), None), q, k[:, nk - nq:], v[:, nk - nq:], out_s[:, splits],
+                lse_s[:, :, splits].permute(1, 0, 2), softmax_scale=softmax_scale)
+        del CALLS[-1 - spec.tail:]
+        combine(CombineSpec(spec.family, spec.dtype, dv, spec.chunk), out_s.transpose(0, 1),
+                lse_s.permute(2, 1, 3, 0), out, lse.permute(0, 2, 1))
         CALLS[-1] = ("slot_call", spec.family)
     return run
 

@@ -160,6 +160,53 @@ def test_slot_call_is_one_call_and_equals_the_two_launches_bit_for_bit(layout, d
     assert rel_err(got[0], ref_out) < 1e-2 and (got[1].double() - ref_lse).abs().max() < 1e-3
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "hf"])
+@pytest.mark.parametrize("b, nq, hkv, nk, causal, dtype", [
+    (8, 1, 4, 8192, True, torch.bfloat16), (2, 1, 4, 9000, True, torch.float16),
+    (3, 4, 4, 9001, True, torch.bfloat16), (2, 16, 1, 3000, True, torch.float16),
+    (4, 3, 4, 6144, False, torch.bfloat16), (8, 4, 4, 8192, True, torch.bfloat16),
+])
+def test_batched_slot_call_is_one_call_and_matches_the_launches(layout, b, nq, hkv, nk, causal, dtype, monkeypatch):
+    """B > 1 full caches at d512 run eagerly as the batched slot call (xattn.core.slot_call_sm90 "Batched": q copied
+    per slot, the varlen split launch, FFPA's dense causal tail into slot S, the combine), on a caller's busy stream
+    right after the keys were written there; q handed over transposed (HF) too. Without a tail the kernels are the
+    launches one by one's (same bits); the tail runs the dense causal kernel where they run the varlen one (equal
+    within bf16 rounding). Judged against fp64 too."""
+    from xattn.torch import ops
+    from xattn.torch import split_kv as torch_split_kv
+
+    calls, real = [], ops.LAUNCH["slot_call"]
+    monkeypatch.setitem(ops.LAUNCH, "slot_call", lambda *a, **kw: (calls.append(a[0]), real(*a, **kw))[1])
+    q, k, v = _decode(b, nq, 32, hkv, nk, 512, layout, seed=nk + b + nq, dtype=dtype)
+    if layout == "hf":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    fresh = _decode(b, nq, 32, hkv, nk, 512, layout, seed=nk + b + nq + 1, dtype=dtype)
+    busy = torch.randn(8192, 8192, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    poison_allocator()
+    with torch.cuda.stream(stream):
+        for _ in range(4):
+            busy = busy @ busy / 8192 ** 0.5  # keeps the stream busy for milliseconds
+        k.copy_(fresh[1])
+        v.copy_(fresh[2])
+        with routes.forced_forward("split-kv"):
+            out, lse = xt.attention_with_lse(q, k, v, causal=causal)
+        got = out.clone(), lse.clone()
+    torch.cuda.synchronize()
+    assert len(calls) == 1 and calls[0].batched, "the batched slot call did not run"
+    monkeypatch.setattr(ops, "_SLOT_CALLS", type(ops._SLOT_CALLS)(256))
+    monkeypatch.setattr(torch_split_kv, "slot_call", lambda *a: None)
+    with routes.forced_forward("split-kv"):
+        out2, lse2 = xt.attention_with_lse(q, k, v, causal=causal)
+    assert len(calls) == 1  # the launches one by one this time
+    if not calls[0].tail:
+        assert torch.equal(got[0], out2) and torch.equal(got[1], lse2)
+    assert rel_err(got[0], out2) < 1e-2 and (got[1] - lse2).abs().max() < 1e-3
+    ref_out, ref_lse = ref_attention(q, k, v, scale=512 ** -0.5, causal=causal)
+    assert rel_err(got[0], ref_out) < 1e-2 and (got[1].double() - ref_lse).abs().max() < 1e-3
+
+
 @pytest.mark.parametrize("d, lens_q, lens_k, hq, hkv, causal, trailing", [
     pytest.param(512, [1] * 8, [9000, 1, 0, 4100, 7, 3000, 513, 8192], 32, 4, True, (0, 0), id="d512-decode-8-docs"),
     pytest.param(512, [4, 0, 1, 3], [9001, 500, 2, 4000], 32, 4, True, (3, 5), id="d512-spec-decode-trailing"),

@@ -285,28 +285,42 @@ def launch_split_meta(spec: SplitMetaSpec, keys, cu_k, tail_k, lse_fill, packed=
 
 
 def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int, softmax_scale: float,
-                     tail_cu_seqlens=None, stream: int | None = None) -> None:
+                     tail_cu_seqlens=None, cu_seqlens=None, stream: int | None = None) -> None:
     """Enqueue the split-KV route's slot call (:mod:`xattn.core.slot_call_sm90`): the slot launch of one sequence,
     with ``spec.tail`` its causal tail, and the combine, one host function. Reads q ``[1, Nq, Hq, D]``, k/v ``[1, Nk,
     Hkv, D/Dv]`` (``spec.dtype``, any strides with a unit last one); writes every element of out ``[1, Nq, Hq, Dv]``
     and lse ``[1, Hq, Nq]`` (f32, Nq stride 1), and ``work`` (f32, at least :func:`slot_work_floats` floats of
     P = S + tail partials). ``splits`` S: dividing Nk without a tail; with one, ``tail_cu_seqlens = (tail_cu_q,
     tail_cu_k)`` int32 ``[3]`` on the device, ``[0, 0, Nq]`` and ``[0, S c, Nk]`` for ``c = (Nk - Nq) // S`` (values
-    trusted); at least one key per split either way. ``softmax_scale`` as :func:`launch_fwd`'s. Shapes, dtypes and
-    strides are checked in C by the launcher, S, the tail and the work's size here."""
-    nk, nq, hq, dv = k.shape[1], q.shape[1], q.shape[2], v.shape[-1]
-    if (tail_cu_seqlens is not None) != spec.tail:
-        raise ValueError(f"tail_cu_seqlens: {'required' if spec.tail else 'not taken'} by {spec.short_name()}")
+    trusted); at least one key per split either way. ``softmax_scale`` as :func:`launch_fwd`'s.
+
+    ``spec.batched``: B >= 1 sequences of Nk keys each (q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]`` whose sequences
+    are a whole number R >= Nk of rows apart, out and lse ``[B, ...]``) on the varlen split launch, ``cu_seqlens =
+    (cu_q, cu_k)`` int32 ``[B (P + 1) + 1]`` on the device (:func:`~xattn.core.split_kv.split_cu_seqlens` of a
+    filled plan of S splits; values trusted), the tail (if any) on each sequence's last Nq keys (Nk > Nq); ``work``
+    :func:`slot_work_floats` with ``batch`` and ``head_dim``. Shapes, dtypes and strides are checked in C by the
+    launcher, S, the tail, the index arrays' lengths, the key rows and the work's size here."""
+    b, nk, nq, hq, dv = q.shape[0], k.shape[1], q.shape[1], q.shape[2], v.shape[-1]
+    for name, given, wanted in (("tail_cu_seqlens", tail_cu_seqlens, spec.tail and not spec.batched),
+                                ("cu_seqlens", cu_seqlens, spec.batched)):
+        if (given is not None) != wanted:
+            raise ValueError(f"{name}: {'required' if wanted else 'not taken'} by {spec.short_name()}")
     keys = nk - nq if spec.tail else nk  # the splits' keys: every slot holds at least one
-    if not 1 <= splits < MAX_PARTIALS or keys < splits or (not spec.tail and nk % splits):
+    even = spec.batched or spec.tail or splits < 1 or nk % splits == 0
+    if not 1 <= splits < MAX_PARTIALS or keys < splits or not even:
         raise ValueError(f"launch_slot_call: splits must be in 1-{MAX_PARTIALS - 1}, at most the splits' keys "
-                         f"({'Nk - Nq' if spec.tail else 'Nk'}){'' if spec.tail else f' and divide Nk {nk}'}; got "
+                         f"({'Nk - Nq' if spec.tail else 'Nk'}){'' if even else f' and divide Nk {nk}'}; got "
                          f"splits {splits}, Nq {nq}, Nk {nk}")
-    floats = slot_work_floats(splits + spec.tail, nq, hq, dv)
+    parts = splits + spec.tail
+    if spec.batched:
+        _check_batched(b, parts, cu_seqlens, k, v)
+        floats = slot_work_floats(parts, nq, hq, dv, b, q.shape[-1])
+    else:
+        floats = slot_work_floats(parts, nq, hq, dv)
     if len(work.shape) != 1 or work.shape[0] < floats:
-        raise ValueError(f"work: expected at least {floats} floats (S {splits}, tail {spec.tail}, Nq {nq}, Hq {hq}, "
-                         f"Dv {dv}), got shape {tuple(work.shape)}")
-    args = (q, k, v, *(tail_cu_seqlens or ()), out, lse, work)
+        raise ValueError(f"work: expected at least {floats} floats (S {splits}, tail {spec.tail}, B {b}, Nq {nq}, "
+                         f"Hq {hq}, Dv {dv}), got shape {tuple(work.shape)}")
+    args = (q, k, v, *(tail_cu_seqlens or ()), *(cu_seqlens or ()), out, lse, work)
     function = get_launcher(spec).function
     if stream is None:
         function(*args, splits, softmax_scale)
@@ -315,6 +329,26 @@ def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int
     views = [as_tensor(a, "buffer") for a in args]
     with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", views[0].device.index), stream):
         function(*views, splits, softmax_scale)
+
+
+def _check_batched(b: int, parts: int, cu_seqlens, k, v) -> None:
+    """The batched slot call's index arrays (``[B (P + 1) + 1]``) and flat key view: k's and v's sequences one whole
+    number R >= Nk of rows apart (element strides)."""
+    docs = b * (parts + 1) + 1
+    for name, cu in zip(("cu_q", "cu_k"), cu_seqlens):
+        if tuple(cu.shape) != (docs,):
+            raise ValueError(f"cu_seqlens: {name} expected [{docs}] (B (P + 1) + 1), got shape {tuple(cu.shape)}")
+    ks, vs, nk = _strides(k), _strides(v), k.shape[1]
+    if b > 1 and not (ks[1] > 0 and ks[0] % ks[1] == 0 and ks[0] // ks[1] >= nk and vs[1] > 0
+                      and vs[0] % vs[1] == 0 and vs[0] // vs[1] == ks[0] // ks[1]):
+        raise ValueError(f"launch_slot_call: the batched call reads k and v as flat rows: their sequences must be one "
+                         f"whole number (>= Nk {nk}) of rows apart; got strides k {ks}, v {vs}")
+
+
+def _strides(t) -> tuple[int, ...]:
+    """Element strides of a torch tensor (``stride()``) or a DLPack holder that names them (``strides``)."""
+    stride = getattr(t, "stride", None)
+    return tuple(stride()) if callable(stride) else tuple(t.strides)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,

@@ -62,7 +62,8 @@ from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 __all__ = ["SplitPlan", "CombineSpec", "SlotCallSpec", "slot_work_floats",
            "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
            "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_launch", "SlotLaunch",
-           "SLOT_FAMILIES", "TAIL_SLOT_FAMILIES", "shared_queries", "combine_chunk", "COMBINE_CHUNKS",
+           "SLOT_FAMILIES", "TAIL_SLOT_FAMILIES",
+           "BATCHED_SLOT_FAMILIES", "batched_slot_call", "shared_queries", "combine_chunk", "COMBINE_CHUNKS",
            "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
@@ -139,6 +140,7 @@ def splits_only(plan: SplitPlan) -> SplitPlan:
 
 SLOT_FAMILIES = ("ffpa", "fa4")  # whose dense forward runs the slot launch (FA4's on its decode tile)
 TAIL_SLOT_FAMILIES = ("ffpa",)  # whose slot launch also takes a causal tail beside it (FA4's: not yet measured)
+BATCHED_SLOT_FAMILIES = ("ffpa",)  # whose B > 1 dense decode steps run as the batched slot call (FA4's: its own path)
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,14 @@ def slot_launch(plan: SplitPlan, family: str, batch: int, length: int, seqlen_q:
     if rest and not plan.tail:
         return None
     return SlotLaunch(chunk, rest, plan.splits + int(rest > 0))
+
+
+def batched_slot_call(plan: SplitPlan, family: str, batch: int) -> bool:
+    """Whether the splits of ``batch`` > 1 sequences, each holding all its keys, run as the **batched slot call**
+    (:class:`SlotCallSpec` ``batched``: the copy of q per slot, the varlen split launch, the causal tail as the dense
+    causal forward of q on the last Nq keys, and the combine in one host function; :data:`BATCHED_SLOT_FAMILIES`):
+    a filled plan, so every partial row is written (no pre-fill)."""
+    return batch > 1 and family in BATCHED_SLOT_FAMILIES and plan.filled
 
 
 def _full_keys(length: int, seqlen_q: int, tail: bool) -> int:
@@ -381,6 +391,7 @@ class SlotCallSpec(FieldsHashed):
     qhead_per_kvhead: int
     chunk: int = COMBINE_CHUNKS[-1]
     tail: bool = False
+    batched: bool = False
     arch: str = "sm_90a"
     source: str = field(default_factory=slot_call_digest)
     versions: tuple[tuple[str, str], ...] = field(default_factory=library_versions)
@@ -393,6 +404,8 @@ class SlotCallSpec(FieldsHashed):
         if self.tail and self.family not in TAIL_SLOT_FAMILIES:
             raise ValueError(f"SlotCallSpec: a causal tail beside the slots is {TAIL_SLOT_FAMILIES}'s, not "
                              f"{self.family!r}'s")
+        if self.batched and self.family not in BATCHED_SLOT_FAMILIES:
+            raise ValueError(f"SlotCallSpec: the batched slot call is {BATCHED_SLOT_FAMILIES}'s, not {self.family!r}'s")
         super().__post_init__()
 
     def _forward(self, causal: bool, varlen: bool) -> KernelSpec:
@@ -400,27 +413,33 @@ class SlotCallSpec(FieldsHashed):
                           causal, varlen, arch=self.arch)
 
     def launch_spec(self) -> KernelSpec:
-        """The split launch inside: the dense non-causal forward of these dims (:func:`split_launch_spec`)."""
-        return split_launch_spec(self._forward(False, False))
+        """The split launch inside: the non-causal forward of these dims (:func:`split_launch_spec`), dense (varlen
+        when ``batched``)."""
+        return split_launch_spec(self._forward(False, self.batched))
 
     def tail_spec(self) -> KernelSpec | None:
-        """The causal tail's launch inside (the family's causal varlen forward), ``None`` without a tail."""
-        return self._forward(True, True) if self.tail else None
+        """The causal tail's launch inside (the family's causal varlen forward; dense when ``batched``), ``None``
+        without a tail."""
+        return self._forward(True, not self.batched) if self.tail else None
 
     def short_name(self) -> str:
         # "<family>_fwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too
         return (f"{self.family}_fwd_slotcall_{self.dtype}_d{self.head_dim}x{self.head_dim_v}_g{self.qhead_per_kvhead}"
-                f"_c{self.chunk}{'_tail' * self.tail}_{self.arch}")
+                f"_c{self.chunk}{'_tail' * self.tail}{'_batched' * self.batched}_{self.arch}")
 
     def target_name(self) -> str:
         digest = hashlib.sha256(repr((self.versions, self.source)).encode()).hexdigest()[:10]
         return f"xattn_{self.short_name()}_{digest}"
 
 
-def slot_work_floats(partials: int, seqlen_q: int, heads_q: int, head_dim_v: int) -> int:
+def slot_work_floats(partials: int, seqlen_q: int, heads_q: int, head_dim_v: int, batch: int = 1,
+                     head_dim: int | None = None) -> int:
     """Floats of the slot call's ``work`` buffer: ``out_partial [P, Nq, Hq, Dv]`` (16-bit) then ``lse_partial
-    [P, Hq, Nq]`` (f32), P the splits and the tail's slot."""
-    return partials * seqlen_q * heads_q * (head_dim_v // 2 + 1)
+    [P, Hq, Nq]`` (f32), P the splits and the tail's slot; the batched call's (``head_dim`` D given):
+    ``q_split [B P Nq, Hq, D]`` and ``out_partial [B P Nq, Hq, Dv]`` (16-bit), then ``lse_partial [Hq, B P Nq]``."""
+    if head_dim is None:
+        return partials * seqlen_q * heads_q * (head_dim_v // 2 + 1)
+    return batch * partials * seqlen_q * heads_q * (head_dim // 2 + head_dim_v // 2 + 1)
 
 
 def split_launch(checked: tuple, shared_q: bool = False) -> tuple:

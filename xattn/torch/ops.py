@@ -175,6 +175,8 @@ def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_rig
     if cu_seqlens_q is None and q.dim() == 4 and q.shape[1] <= split_kv.MAX_DECODE_QUERIES:
         slot_key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, family, causal, window_left,
                     window_right, num_splits, routes.requested_forward())
+        if q.shape[0] > 1:  # the batched slot call reads k and v on their rows per sequence
+            slot_key += (k.stride(), v.stride())
         slot = _SLOT_CALLS.get(slot_key)
         if slot is not None:
             return _run_slots(slot, q, k, v, scale)
@@ -206,10 +208,10 @@ def forward_impl(q, k, v, family, softmax_scale, causal, window_left, window_rig
 
 
 def _run_slots(slot, q, k, v, scale: float) -> tuple[Tensor, Tensor]:
-    """``(out [1, Nq, Hq, Dv], lse [1, Hq, Nq])`` of a call on the slot launch
+    """``(out [B, Nq, Hq, Dv], lse [B, Hq, Nq])`` of a call on the slot launch
     (:class:`~xattn.torch.split_kv.SlotCall`)."""
     out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((1, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     slot.run(q, k, v, scale, out, lse)
     return out, lse
 

@@ -399,22 +399,30 @@ class SlotCall(NamedTuple):
     decision then being the memo's lookup). ``call``: the slot call's compile key (the slot launch, its causal tail
     and the combine in one host function, :mod:`xattn.core.slot_call_sm90`; ``None`` for dtypes the kernels do not
     take). Eager, a step is that one call; under CUDA-graph capture a causal tail runs beside the splits on a second
-    stream instead (:data:`CAPTURED_TAIL_BESIDE`: a parallel branch of the graph, where replays pay no host time)."""
+    stream instead (:data:`CAPTURED_TAIL_BESIDE`: a parallel branch of the graph, where replays pay no host time).
+    ``slots`` None: the batched slot call (B > 1, :func:`xattn.core.split_kv.batched_slot_call`), always one call."""
 
     plan: SplitPlan
-    slots: split_kv.SlotLaunch
+    slots: split_kv.SlotLaunch | None
     setup: _Setup
     call: SlotCallSpec | None = None
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor, lse: Tensor) -> None:
-        """Write ``out [1, Nq, Hq, Dv]`` and ``lse [1, Hq, Nq]`` (any content before) for q ``[1, Nq, Hq, D]`` on
-        k/v ``[1, Nk, Hkv, D]`` of this signature (any strides with a unit last one): the S splits are the dense
+        """Write ``out [B, Nq, Hq, Dv]`` and ``lse [B, Hq, Nq]`` (any content before) for q ``[B, Nq, Hq, D]`` on
+        k/v ``[B, Nk, Hkv, D]`` of this signature (any strides with a unit last one). B > 1: the batched slot call
+        (:mod:`xattn.core.slot_call_sm90`). B = 1: the S splits are the dense
         forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on ``k_slots [S, chunk, Hkv, D]`` (batch stride
         ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq, Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail
         beside them writes slot S (its varlen layouts are the same rows); the combine writes out and lse. Only the
         buffers the launches need (a decode step's host time): the slot call, one buffer and one call."""
         plan, slots, setup, call = self
         nq, hq = q.shape[1], q.shape[2]
+        if slots is None:  # the batched slot call (B > 1): one buffer, one call, in any stream state
+            work = torch.empty(split_kv.slot_work_floats(plan.partials, nq, hq, v.shape[-1], q.shape[0], q.shape[-1]),
+                               dtype=torch.float32, device=q.device)
+            ops.LAUNCH["slot_call"](call, q, k, v, out, lse, work, splits=plan.splits, softmax_scale=scale,
+                                    cu_seqlens=(setup.cu_q, setup.cu_k))
+            return
         s, parts = plan.splits, slots.partials
         if call is not None and not (slots.rest and CAPTURED_TAIL_BESIDE and _capturing(q.device)):
             work = torch.empty(split_kv.slot_work_floats(parts, nq, hq, v.shape[-1]), dtype=torch.float32,
@@ -442,7 +450,10 @@ class SlotCall(NamedTuple):
 
 def slot_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor) -> SlotCall | None:
     """The slot launch's :class:`SlotCall` for q ``[B, Nq, Hq, D]`` on k/v ``[B, Nk, Hkv, D]`` under ``plan``, or
-    ``None`` where the varlen launch runs the splits (:func:`xattn.core.split_kv.slot_launch`)."""
+    ``None`` where the launches run one by one (:func:`xattn.core.split_kv.slot_launch`,
+    :func:`~xattn.core.split_kv.batched_slot_call`)."""
+    if q.shape[0] > 1:
+        return _batched_call(plan, family, q, k, v)
     slots = split_kv.slot_launch(plan, family, q.shape[0], k.shape[1], q.shape[1])
     if slots is None:
         return None
@@ -454,6 +465,23 @@ def slot_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor) -> 
         call = SlotCallSpec(spec.family, spec.dtype, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
                             setup.combine.chunk, tail=bool(slots.rest))
     return SlotCall(plan, slots, setup, call)
+
+
+def _batched_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor) -> SlotCall | None:
+    """:func:`slot_call` for B > 1: the batched slot call where the core runs one (16-bit, a filled plan, the
+    sequences a whole number of rows apart); its index arrays are the varlen split launch's (:func:`_setup`)."""
+    rows = rows_per_seq(k, v)
+    if q.element_size() != 2 or rows is None or not split_kv.batched_slot_call(plan, family, q.shape[0]):
+        return None
+    b, nq, hq, d = q.shape
+    nk = k.shape[1]
+    key_rows = rows * (b - 1) + nk
+    q_split = q.as_strided((b * plan.partials * nq, hq, d), (0, q.stride(2), q.stride(3)), q.storage_offset())
+    setup = _setup(plan, family, q_split, q, flat_keys(k, key_rows), flat_keys(v, key_rows), rows, nk)
+    spec = setup.checked[0]
+    call = SlotCallSpec(spec.family, spec.dtype, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
+                        setup.combine.chunk, tail=plan.tail, batched=True)
+    return SlotCall(plan, None, setup, call)
 
 
 def _slot_views(s: int, chunk: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
