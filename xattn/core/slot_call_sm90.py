@@ -1,6 +1,7 @@
-"""The slot launch and the combine of the split-KV route as one compiled host function
-(:class:`~xattn.core.split_kv.SlotCallSpec`): a decode step on one sequence is one TVM-FFI call, its slot views
-and partial buffers made inside it (no torch views, no second call, no second stream: the host time of an eager step).
+"""The split-KV route's launches and its combine as one compiled host function
+(:class:`~xattn.core.split_kv.SlotCallSpec`): a decode step is one TVM-FFI call, its slot views and partial buffers
+made inside it (no torch views, no second call, no second stream: the host time of an eager step). One sequence
+below; B > 1 sequences under "Batched".
 
 Launcher signatures (glossary of :mod:`xattn.core.split_kv`; ``S`` splits of ``c`` keys, ``P`` partial slots)::
 
