@@ -102,6 +102,20 @@ def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, sp
     assert len(seen) == 1 + len(beside)
 
 
+def _record_slot_calls() -> list:
+    """``[(spec, splits), ...]`` of every slot call from here on (stubs.install restores LAUNCH per test)."""
+    from xattn.torch import ops
+
+    seen, real = [], ops.LAUNCH["slot_call"]
+
+    def record(spec, *args, splits, **kw):
+        seen.append((spec, splits))
+        return real(spec, *args, splits=splits, **kw)
+
+    ops.LAUNCH["slot_call"] = record
+    return seen
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
 @pytest.mark.parametrize("family, d, nq, nk, causal, splits", [
@@ -117,15 +131,8 @@ def test_one_sequence_is_one_slot_call(layout, family, d, nq, nk, causal, splits
     the input dtype."""
     from xattn.core.split_kv import SlotCallSpec, combine_chunk, split_launch_spec
     from xattn.core.spec import KernelSpec
-    from xattn.torch import ops
 
-    seen, real = [], ops.LAUNCH["slot_call"]
-
-    def record(spec, *args, splits, **kw):
-        seen.append((spec, splits))
-        return real(spec, *args, splits=splits, **kw)
-
-    ops.LAUNCH["slot_call"] = record  # (stubs.install restores LAUNCH per test)
+    seen = _record_slot_calls()
     plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
     slots = split_kv.slot_launch(plan, family, 1, nk, nq)
     assert bool(slots.rest) == plan.tail
@@ -157,15 +164,8 @@ def test_a_batch_is_one_batched_slot_call(layout, b, nq, nk, causal, splits, dty
     layouts, q handed over transposed (HF) too; the compile key names the launches inside. Values against fp64."""
     from xattn.core.split_kv import SlotCallSpec, combine_chunk
     from xattn.core.spec import KernelSpec
-    from xattn.torch import ops
 
-    seen, real = [], ops.LAUNCH["slot_call"]
-
-    def record(spec, *args, splits, **kw):
-        seen.append((spec, splits))
-        return real(spec, *args, splits=splits, **kw)
-
-    ops.LAUNCH["slot_call"] = record  # (stubs.install restores LAUNCH per test)
+    seen = _record_slot_calls()
     plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
     assert split_kv.batched_slot_call(plan, "ffpa", b) == plan.filled
     for seed in (1, 2):

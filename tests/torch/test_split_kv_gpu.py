@@ -115,6 +115,25 @@ def test_causal_tail_orders_its_stream_after_the_callers():
     assert rel_err(got, ref_out) < 1e-2
 
 
+def _split_on_a_busy_stream(q, k, v, fresh, causal):
+    """``(out, lse)`` of the split route on a caller's stream kept busy for milliseconds, right after ``fresh``'s keys
+    and values were copied into k and v there (the call must enqueue on that stream); freed memory poisoned first."""
+    busy = torch.randn(8192, 8192, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    poison_allocator()
+    with torch.cuda.stream(stream):
+        for _ in range(4):
+            busy = busy @ busy / 8192 ** 0.5
+        k.copy_(fresh[1])
+        v.copy_(fresh[2])
+        with routes.forced_forward("split-kv"):
+            out, lse = xt.attention_with_lse(q, k, v, causal=causal)
+        got = out.clone(), lse.clone()
+    torch.cuda.synchronize()
+    return got
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
 @pytest.mark.parametrize("d, nq, hkv, nk, causal, dtype", [
     (128, 1, 8, 8192, True, torch.bfloat16), (128, 1, 8, 20000, True, torch.float16),
@@ -135,19 +154,7 @@ def test_slot_call_is_one_call_and_equals_the_two_launches_bit_for_bit(layout, d
     monkeypatch.setitem(ops.LAUNCH, "slot_call", lambda *a, **kw: (calls.append(a[0]), real(*a, **kw))[1])
     q, k, v = _decode(1, nq, 32, hkv, nk, d, layout, seed=nk + d + nq, dtype=dtype)
     fresh = _decode(1, nq, 32, hkv, nk, d, layout, seed=nk + d + nq + 1, dtype=dtype)
-    busy = torch.randn(8192, 8192, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    poison_allocator()
-    with torch.cuda.stream(stream):
-        for _ in range(4):
-            busy = busy @ busy / 8192 ** 0.5  # keeps the stream busy for milliseconds
-        k.copy_(fresh[1])
-        v.copy_(fresh[2])
-        with routes.forced_forward("split-kv"):
-            out, lse = xt.attention_with_lse(q, k, v, causal=causal)
-        got = out.clone(), lse.clone()
-    torch.cuda.synchronize()
+    got = _split_on_a_busy_stream(q, k, v, fresh, causal)
     assert len(calls) == 1, "the slot call did not run"
     monkeypatch.setattr(ops, "_SLOT_CALLS", type(ops._SLOT_CALLS)(256))
     two = torch_split_kv.slot_call
@@ -181,19 +188,7 @@ def test_batched_slot_call_is_one_call_and_matches_the_launches(layout, b, nq, h
     if layout == "hf":
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     fresh = _decode(b, nq, 32, hkv, nk, 512, layout, seed=nk + b + nq + 1, dtype=dtype)
-    busy = torch.randn(8192, 8192, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    poison_allocator()
-    with torch.cuda.stream(stream):
-        for _ in range(4):
-            busy = busy @ busy / 8192 ** 0.5  # keeps the stream busy for milliseconds
-        k.copy_(fresh[1])
-        v.copy_(fresh[2])
-        with routes.forced_forward("split-kv"):
-            out, lse = xt.attention_with_lse(q, k, v, causal=causal)
-        got = out.clone(), lse.clone()
-    torch.cuda.synchronize()
+    got = _split_on_a_busy_stream(q, k, v, fresh, causal)
     assert len(calls) == 1 and calls[0].batched, "the batched slot call did not run"
     monkeypatch.setattr(ops, "_SLOT_CALLS", type(ops._SLOT_CALLS)(256))
     monkeypatch.setattr(torch_split_kv, "slot_call", lambda *a: None)
