@@ -346,9 +346,9 @@ def _check_batched(b: int, parts: int, cu_seqlens, k, v) -> None:
 
 
 def _strides(t) -> tuple[int, ...]:
-    """Element strides of a torch tensor (``stride()``) or a DLPack holder that names them (``strides``)."""
+    """Element strides of a torch tensor (``stride()``, no conversion) or of any DLPack tensor (its TVM-FFI view)."""
     stride = getattr(t, "stride", None)
-    return tuple(stride()) if callable(stride) else tuple(t.strides)
+    return tuple(stride()) if callable(stride) else tuple(as_tensor(t, "k/v").strides)
 
 
 def ffpa_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool = False,
