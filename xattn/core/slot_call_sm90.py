@@ -47,8 +47,6 @@ prepare_dsl_environment()  # before cutlass reads its environment (CPU-only mach
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
-
-from .combine_sm90 import VECTOR  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
 from . import combine_sm90, fa4_sm90, ffpa_sm90  # noqa: E402
@@ -125,7 +123,7 @@ class _Broadcast:
     """q ``[B, Nq, Hq, D]`` -> slots ``0..S-1`` of ``q_split [B, P, Nq, Hq, D]``: a thread moves 16 bytes of a row."""
 
     def __init__(self, dtype, head_dim: int):
-        self.dtype, self.lanes = dtype, head_dim // VECTOR
+        self.dtype, self.lanes = dtype, head_dim // combine_sm90.VECTOR
         self.rows = max(128 // self.lanes, 1)  # rows per CTA
 
     @cute.jit
@@ -148,9 +146,10 @@ class _Broadcast:
             t = t // nq
             s = t % splits
             b = t // splits
-            vec = cute.make_rmem_tensor((VECTOR,), self.dtype)
-            cute.autovec_copy(cute.tiled_divide(mQ[b, n, h, None], (VECTOR,))[None, lane], vec)
-            cute.autovec_copy(vec, cute.tiled_divide(mQs[b, s, n, h, None], (VECTOR,))[None, lane])
+            width = combine_sm90.VECTOR
+            vec = cute.make_rmem_tensor((width,), self.dtype)
+            cute.autovec_copy(cute.tiled_divide(mQ[b, n, h, None], (width,))[None, lane], vec)
+            cute.autovec_copy(vec, cute.tiled_divide(mQs[b, s, n, h, None], (width,))[None, lane])
 
 
 class _BatchedCall:

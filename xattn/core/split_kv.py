@@ -62,9 +62,9 @@ from .spec import FFPA_FWD_TILE_M, FieldsHashed, KernelSpec, library_versions
 __all__ = ["SplitPlan", "CombineSpec", "SlotCallSpec", "slot_work_floats",
            "IndexSpec", "SplitMetaSpec", "SplitFwdSpec", "plan_splits", "splits_only",
            "decode_splits", "split_bounds", "split_cu_seqlens", "split_launch", "slot_launch", "SlotLaunch",
-           "SLOT_FAMILIES", "TAIL_SLOT_FAMILIES",
-           "BATCHED_SLOT_FAMILIES", "batched_slot_call", "shared_queries", "combine_chunk", "COMBINE_CHUNKS",
-           "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE", "SPLIT_TILES", "source_digest"]
+           "SLOT_FAMILIES", "TAIL_SLOT_FAMILIES", "BATCHED_SLOT_FAMILIES", "batched_slot_call", "shared_queries",
+           "combine_chunk", "COMBINE_CHUNKS", "MAX_DECODE_QUERIES", "MIN_KEYS_PER_SPLIT", "MAX_PARTIALS", "KEY_TILE",
+           "SPLIT_TILES", "source_digest"]
 
 MAX_DECODE_QUERIES = 16  # queries per sequence the route serves (decoding and speculative decoding)
 MIN_KEYS_PER_SPLIT = 256  # shorter splits spend more on their prologue and epilogue than they stream
