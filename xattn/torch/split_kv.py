@@ -138,8 +138,11 @@ class _Setup(NamedTuple):
     combine: CombineSpec
 
 
-def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor, vf: Tensor, rows: int, nk: int):
-    key = (plan, family, q.shape, kf.shape, vf.shape, q.dtype, rows, nk, q.device)
+def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor, vf: Tensor, rows: int, nk: int,
+           tail_launch: bool = True):
+    """The launches' set-up of one call signature (:class:`_Setup`); ``tail_launch`` False: a causal tail runs without
+    the varlen tail launch (the batched slot call's dense tail), so none of its index arrays or validation."""
+    key = (plan, family, q.shape, kf.shape, vf.shape, q.dtype, rows, nk, q.device, tail_launch)
     hit = _SETUPS.get(key)
     if hit is not None:
         return hit
@@ -149,15 +152,17 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     lp, ln = (split_kv.splits_only(plan), nk - nq) if plan.tail_in_place(b) else (plan, nk)
     cu_q, cu_k, _, _ = split_kv.split_cu_seqlens(lp, nq, rows, [ln] * b, key_rows)  # host lists (and the maxima)
     tail_q = tail_k = []
-    if plan.tail:
+    tail = plan.tail and tail_launch
+    tp = plan if tail else split_kv.splits_only(plan)  # (no tail: no tail index arrays under capture either)
+    if tail:
         _, _, tail_q, tail_k = split_kv.split_cu_seqlens(plan, nq, rows, [nk] * b, key_rows)
     longest = lambda cu: max((y - x for x, y in zip(cu, cu[1:])), default=0)  # noqa: E731
     full = lambda n: torch.full((b,), n, dtype=torch.int32, device=dev)  # noqa: E731
     if _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): by device arithmetic
         cu_q_d, tail_q_d, cu_k_d, tail_k_d = outside_graph_pools(lambda: (
-            device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(plan, b, nq, dev)[1],
+            device_cu_seqlens_q(lp, b, nq, dev)[0], device_cu_seqlens_q(tp, b, nq, dev)[1],
             device_cu_seqlens_k(lp, nq, rows, key_rows, full(ln))[0],
-            device_cu_seqlens_k(plan, nq, rows, key_rows, full(nk))[1]), dev)
+            device_cu_seqlens_k(tp, nq, rows, key_rows, full(nk))[1]), dev)
     else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy, not ~30 kernels
         cu_q_d, tail_q_d, cu_k_d, tail_k_d = int32_lists(dev, cu_q, tail_q, cu_k, tail_k)
     shared = split_kv.shared_queries(family, q.shape[-1], vf.shape[-1], q.shape[-2] // kf.shape[-2])
@@ -166,7 +171,7 @@ def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor,
     checked = split_kv.split_launch(  # the decode tile where the core has one (split_kv.SPLIT_TILES)
         ops._checked("fwd", family, q_split, kf, vf, False, -1, -1, cu_q_d, cu_k_d, nq, longest(cu_k)), shared)
     tail_checked = None
-    if plan.tail:
+    if tail:
         tail_checked = ops._checked("fwd", family, q.reshape(b * nq, *q.shape[2:]), kf, vf, True, -1, -1, tail_q_d,
                                     tail_k_d, nq, longest(tail_k))
     combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), vf.shape[-1],
@@ -477,7 +482,8 @@ def _batched_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor)
     nk = k.shape[1]
     key_rows = rows * (b - 1) + nk
     q_split = q.as_strided((b * plan.partials * nq, hq, d), (0, q.stride(2), q.stride(3)), q.storage_offset())
-    setup = _setup(plan, family, q_split, q, flat_keys(k, key_rows), flat_keys(v, key_rows), rows, nk)
+    setup = _setup(plan, family, q_split, q, flat_keys(k, key_rows), flat_keys(v, key_rows), rows, nk,
+                   tail_launch=False)
     spec = setup.checked[0]
     call = SlotCallSpec(spec.family, spec.dtype, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
                         setup.combine.chunk, tail=plan.tail, batched=True)
