@@ -18,8 +18,6 @@
 #   split-host   benchmarks/tools/split_host_probe.py (host time of a decode call, where it goes; SPLIT_HOST_SHAPES,
 #                SPLIT_HOST_CALLS, SPLIT_HOST_PROFILE=1 for the cProfile / torch.profiler tables,
 #                SPLIT_HOST_PATTERNS=1 for host time by pattern)
-#   tail-probe   benchmarks/tools/tail_probe.py (d512 B1 q4: the causal tail beside the splits or in the slot call,
-#                under CUDA graphs and eager; TAIL_PROBE_ARGS) -> $OUT/probe.log
 #   tile-probe   benchmarks/tools/decode_tile_probe.py (FA4 split-KV decode tiles and a PDL combine vs SDPA at d128;
 #                TILE_PROBE_ARGS) -> $OUT/probe.log
 #   probe        benchmarks/tools/host_overhead_probe.py (where the host time of a call goes)
@@ -113,8 +111,6 @@ for step in "$@"; do
               | tee -a "$OUT/steps.log" | tail -60 ;;
     split-host) timeout "$t" python benchmarks/tools/split_host_probe.py ${SPLIT_HOST_SHAPES:+--shapes "$SPLIT_HOST_SHAPES"} \
               ${SPLIT_HOST_CALLS:+--calls "$SPLIT_HOST_CALLS"} ${SPLIT_HOST_PROFILE:+--profile} ${SPLIT_HOST_PATTERNS:+--patterns} 2>&1 \
-              | grep --line-buffered -v Warning | tee -a "$OUT/probe.log" | tail -20 ;;
-    tail-probe) timeout "$t" python benchmarks/tools/tail_probe.py ${TAIL_PROBE_ARGS:-} 2>&1 \
               | grep --line-buffered -v Warning | tee -a "$OUT/probe.log" | tail -20 ;;
     tile-probe) timeout "$t" python benchmarks/tools/decode_tile_probe.py ${TILE_PROBE_ARGS:-} 2>&1 \
               | grep --line-buffered -v Warning | tee -a "$OUT/probe.log" | tail -80 ;;

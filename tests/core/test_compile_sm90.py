@@ -89,6 +89,8 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
 SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 16), SlotCallSpec("fa4", "float16", 256, 256, 2, 8),
     SlotCallSpec("ffpa", "bfloat16", 512, 512, 8, 16), SlotCallSpec("ffpa", "float16", 512, 512, 4, 16, tail=True),
+    SlotCallSpec("ffpa", "bfloat16", 384, 384, 4, 8, tail=True),  # the tail masked into the last slot, every kernel
+    SlotCallSpec("ffpa", "bfloat16", 320, 320, 2, 4, tail=True),
     SlotCallSpec("ffpa", "bfloat16", 512, 512, 8, 4, batched=True),  # B > 1: the varlen splits, the dense tail
     SlotCallSpec("ffpa", "bfloat16", 384, 384, 4, 8, tail=True, batched=True))]
 # The packed route's (xattn.core.gemm_segments_sm90).

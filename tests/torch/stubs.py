@@ -152,36 +152,45 @@ def _stub_combine():
 
 
 def _stub_slot_call(fwd, combine):
-    def run(spec, q, k, v, out, lse, work, *, splits, softmax_scale, tail_cu_seqlens=None, cu_seqlens=None,
+    def run(spec, q, k, v, out, lse, work, *, splits, softmax_scale, slot_bounds=None, cu_seqlens=None,
             stream=None):
         """The slot call's contract (xattn.core.api.launch_slot_call): the dense forward stand-in on the slot views
-        (q batch stride 0, k/v ``c`` rows per slot) into the partials, laid out in ``work`` as the launcher's
-        docstring says, the causal tail's varlen stand-in into slot S, then the combine stand-in into out and lse."""
+        (q batch stride 0, k/v slots ``c = Nk // S`` rows apart) into the partials, laid out in ``work`` as the
+        launcher's docstring says, then the combine stand-in into out and lse. With a causal tail every slot views
+        the last slot's keys and a mask keeps slot b < S - 1 to its own c keys (the non-causal stand-in on those) and
+        the last slot causal on its keys (the causal dense stand-in)."""
+        from xattn.core.spec import KernelSpec
         from xattn.core.split_kv import combine_chunk, slot_work_floats
 
         if spec.batched:
             return _batched(spec, q, k, v, out, lse, work, splits, softmax_scale, cu_seqlens)
 
         nq, hq, nk, dv = q.shape[1], q.shape[2], k.shape[1], v.shape[-1]
-        parts = splits + spec.tail
-        assert (tail_cu_seqlens is not None) == spec.tail and (nk > nq if spec.tail else nk % splits == 0)
-        assert work.dtype == torch.float32 and work.shape[0] >= slot_work_floats(parts, nq, hq, dv)
-        assert spec.chunk == combine_chunk(parts), (spec.short_name(), parts)
-        c = (nk - nq) // splits if spec.tail else nk // splits
-        slot = lambda t: t.as_strided((splits, c, *t.shape[2:]), (c * t.stride(1), *t.stride()[1:]),  # noqa: E731
+        c = nk // splits
+        keys = nk - (splits - 1) * c if spec.tail else c
+        assert (slot_bounds is not None) == spec.tail and (keys >= nq if spec.tail else nk % splits == 0)
+        assert work.dtype == torch.float32 and work.shape[0] >= slot_work_floats(splits, nq, hq, dv)
+        assert spec.chunk == combine_chunk(splits), (spec.short_name(), splits)
+        slot = lambda t: t.as_strided((splits, keys, *t.shape[2:]), (c * t.stride(1), *t.stride()[1:]),  # noqa: E731
                                       t.storage_offset())
         q_slots = q.as_strided((splits, *q.shape[1:]), (0, *q.stride()[1:]), q.storage_offset())
-        n = parts * nq * hq * dv // 2
-        out_p = work[:n].view(q.dtype).view(parts, nq, hq, dv)
-        lse_p = work[n:n + parts * hq * nq].view(parts, hq, nq)
-        fwd((spec.launch_spec(), None), q_slots, slot(k), slot(v), out_p[:splits], lse_p[:splits],
-            softmax_scale=softmax_scale)
-        if spec.tail:
-            cu_q, cu_k = tail_cu_seqlens
-            assert cu_q.tolist() == [0, 0, nq] and cu_k.tolist() == [0, splits * c, nk]
-            fwd((spec.tail_spec(), None), q[0], k[0], v[0], out_p[splits], lse_p[splits], softmax_scale=softmax_scale,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=nq, max_seqlen_k=nk - splits * c)
-        del CALLS[-1 - spec.tail:]
+        n = splits * nq * hq * dv // 2
+        out_p = work[:n].view(q.dtype).view(splits, nq, hq, dv)
+        lse_p = work[n:n + splits * hq * nq].view(splits, hq, nq)
+        launch = spec.launch_spec()
+        if not spec.tail:
+            fwd((launch, None), q_slots, slot(k), slot(v), out_p, lse_p, softmax_scale=softmax_scale)
+        else:
+            assert slot_bounds.tolist() == [c, splits - 1]
+            ks, vs, last = slot(k), slot(v), splits - 1
+            fwd((launch, None), q_slots[:last], ks[:last, :c], vs[:last, :c], out_p[:last], lse_p[:last],
+                softmax_scale=softmax_scale)
+            causal = KernelSpec(launch.family, "fwd", launch.dtype, launch.head_dim, launch.head_dim_v,
+                                launch.qhead_per_kvhead, True, False)
+            fwd((causal, None), q_slots[last:], ks[last:], vs[last:], out_p[last:], lse_p[last:],
+                softmax_scale=softmax_scale)
+            del CALLS[-1]
+        del CALLS[-1]
         combine(CombineSpec(spec.family, spec.dtype, dv, spec.chunk), out_p.unsqueeze(1),
                 lse_p.permute(0, 2, 1).unsqueeze(1), out, lse.permute(0, 2, 1))
         CALLS[-1] = ("slot_call", spec.family)

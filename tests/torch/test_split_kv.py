@@ -47,33 +47,28 @@ def test_split_route_matches_fp64(layout, b, nq, hq, hkv, nk, causal, splits):
     out, lse = xt.attention_with_lse(q, k, v, causal=causal, family="ffpa", num_splits=splits)
     ref_out, ref_lse = ref_attention(q, k, v, scale=16 ** -0.5, causal=causal)
     assert ("combine", "ffpa") in CALLS, "the split route did not run"
-    slots = split_kv.slot_launch(split_kv.plan_splits(splits, causal, nq, nk), "ffpa", b, nk, nq)
-    beside = bool(slots.rest) if slots else causal and nq > 1  # the causal tail beside the splits
-    assert sum(c == ("fwd", "ffpa") for c in CALLS) == 1 + beside
+    tail = causal and nq > 1  # fp64: the tail's launch of its own (the slot call alone masks it in the split launch)
+    assert sum(c == ("fwd", "ffpa") for c in CALLS) == 1 + tail
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)  # the partial lse is fp32
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("capturing", [False, True], ids=["host-lists", "device-arithmetic"])
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
 @pytest.mark.parametrize("family, d", [("ffpa", 16), ("fa4", 128)])
 @pytest.mark.parametrize("nq, nk, causal, splits", [
     (4, 900, True, 3), (16, 1000, True, 7), (2, 2051, True, 5), (3, 131, True, 2), (5, 6, True, 4),  # a causal tail
     (1, 700, True, 3), (1, 1536, True, 3), (1, 5, False, 4), (3, 1001, False, 6),  # keys left over, or none
 ])
-def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, splits, capturing, monkeypatch):
-    """B = 1, S dividing the keys or FFPA's causal tail in place: the splits are one dense launch reading q through a
-    batch stride of 0 (no copy of q per slot) and equal key chunks through a strided view of the cache; the tail runs
-    beside it into one more slot. Keys left over, or FA4's tail: the varlen launch. FA4 d128: its decode tile.
-    ``capturing``: the launch beside set up as under CUDA-graph capture (its cu_seqlens by device arithmetic)."""
+def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, splits, monkeypatch):
+    """B = 1, S dividing the keys, in a dtype without the slot call (fp64 here): the splits are one dense launch
+    reading q through a batch stride of 0 (no copy of q per slot) and equal key chunks through a strided view of the
+    cache, then the combine. Keys left over, or a causal tail (the slot call alone masks it into the last slot): the
+    varlen launch. FA4 d128: its decode tile."""
     from xattn.core.split_kv import SplitFwdSpec
     from xattn.torch import ops
-    from xattn.torch import split_kv as torch_split_kv
 
-    monkeypatch.setattr(torch_split_kv, "_capturing", lambda device: capturing)
-    monkeypatch.setattr(torch_split_kv, "_SETUPS", type(torch_split_kv._SETUPS)(256))  # set up afresh, this way
     seen, fwd = [], ops.LAUNCH["fwd"]
     monkeypatch.setitem(ops.LAUNCH, "fwd", lambda checked, q, k, *a, **kw: (seen.append((checked[0], q, k)),
                                                                             fwd(checked, q, k, *a, **kw))[1])
@@ -84,22 +79,18 @@ def test_one_sequence_runs_the_slot_launch(layout, family, d, nq, nk, causal, sp
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
     dense = [x for x in seen if not x[0].varlen]
     plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
-    tail = causal and nq > 1
     launch = split_kv.slot_launch(plan, family, 1, nk, nq)
-    if launch is None:  # keys left over without a tail, or FA4's tail: the varlen launch
-        assert not dense and (tail and family == "fa4" or nk % plan.splits)
+    if launch is None or plan.tail:  # keys left over, FA4's tail, or a tail in fp64: the varlen launch
+        assert not dense and (plan.tail or nk % plan.splits)
+        assert launch is None or launch.tail and family == "ffpa"
         return
-    assert len(dense) == 1 and not dense[0][0].causal
+    assert len(dense) == 1 == len(seen) and not dense[0][0].causal
     assert isinstance(dense[0][0], SplitFwdSpec) == (family == "fa4")  # FA4 d128: split_kv.SPLIT_TILES
     spec, q_slots, k_slots = dense[0]
     slots, chunk = k_slots.shape[:2]
     assert q_slots.shape == (slots, nq, 8, d) and q_slots.stride(0) == 0 and q_slots.data_ptr() == q.data_ptr()
     assert k_slots.data_ptr() == k.data_ptr() and k_slots.stride(0) == chunk * k.stride(1)  # views, no copies
-    assert (slots, chunk) == (plan.splits, launch.chunk) and launch.rest == nk - slots * chunk
-    assert nq <= launch.rest < nq + slots if tail else launch.rest == 0  # the tail's keys; no keys left over
-    beside = [x for x in seen if x[0].varlen]
-    assert len(beside) == tail and all(x[0].causal for x in beside)
-    assert len(seen) == 1 + len(beside)
+    assert (slots, chunk, chunk) == (plan.splits, launch.chunk, launch.keys) and slots * chunk == nk
 
 
 def _record_slot_calls() -> list:
@@ -116,26 +107,31 @@ def _record_slot_calls() -> list:
     return seen
 
 
+@pytest.mark.parametrize("capturing", [False, True], ids=["host-lists", "device-arithmetic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
 @pytest.mark.parametrize("family, d, nq, nk, causal, splits", [
     ("fa4", 128, 1, 1536, True, 3), ("fa4", 128, 1, 1500, True, 4), ("ffpa", 16, 3, 1024, False, 7),
     ("fa4", 64, 2, 640, False, 5), ("ffpa", 16, 1, 900, True, 6),
     ("ffpa", 16, 4, 900, True, 3), ("ffpa", 16, 16, 1000, True, 7), ("ffpa", 16, 5, 6, True, 4),  # causal tails
+    ("ffpa", 16, 2, 2051, True, 5), ("ffpa", 16, 3, 131, True, 2), ("ffpa", 16, 4, 4096, True, 8),
 ])
-def test_one_sequence_is_one_slot_call(layout, family, d, nq, nk, causal, splits, dtype):
-    """B = 1 on the slot launch (S dividing the keys, or FFPA's causal tail in place), 16-bit inputs, eager: the
-    split route is one core call (the slot launch, the tail and the combine in one host function,
-    xattn.core.slot_call_sm90) whose compile key names the launches the two-launch path ran and the combine's chunk
-    for P; twice on the same signature, still one call each. Values against fp64 within the partials' rounding to
-    the input dtype."""
+def test_one_sequence_is_one_slot_call(layout, family, d, nq, nk, causal, splits, dtype, capturing, monkeypatch):
+    """B = 1 on the slot launch (S dividing the keys, or FFPA's causal tail in its last slot), 16-bit inputs: the
+    split route is one core call (the slot launch and the combine in one host function, xattn.core.slot_call_sm90;
+    the stand-in applies the last slot's mask) whose compile key names the split launch and the combine's chunk for
+    P = S; twice on the same signature, still one call each. Values against fp64 within the partials' rounding to
+    the input dtype. ``capturing``: set up as under CUDA-graph capture (the tail's bounds by device arithmetic)."""
     from xattn.core.split_kv import SlotCallSpec, combine_chunk, split_launch_spec
     from xattn.core.spec import KernelSpec
+    from xattn.torch import split_kv as torch_split_kv
 
+    monkeypatch.setattr(torch_split_kv, "_capturing", lambda device: capturing)
+    monkeypatch.setattr(torch_split_kv, "_SETUPS", type(torch_split_kv._SETUPS)(256))  # set up afresh, this way
     seen = _record_slot_calls()
     plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
     slots = split_kv.slot_launch(plan, family, 1, nk, nq)
-    assert bool(slots.rest) == plan.tail
+    assert slots.tail == plan.tail and slots.partials == plan.splits and slots.chunk == nk // plan.splits
     for seed in (1, 2):
         q, k, v = (t.to(dtype) for t in _decode_inputs(1, nq, 8, 2, nk, d, layout, seed=seed))
         CALLS.clear()
@@ -145,10 +141,10 @@ def test_one_sequence_is_one_slot_call(layout, family, d, nq, nk, causal, splits
         torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)  # partials rounded to dtype
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
     name = str(dtype).removeprefix("torch.")
-    want = SlotCallSpec(family, name, d, d, 4, combine_chunk(slots.partials), tail=plan.tail)
+    want = SlotCallSpec(family, name, d, d, 4, combine_chunk(plan.splits), tail=plan.tail)
     assert seen == [(want, plan.splits)] * 2
     assert want.launch_spec() == split_launch_spec(KernelSpec(family, "fwd", name, d, d, 4, False, False))
-    assert want.tail_spec() == (KernelSpec(family, "fwd", name, d, d, 4, True, True) if plan.tail else None)
+    assert want.tail_spec() is None  # one sequence: no tail launch of its own
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -214,9 +210,8 @@ def test_the_batched_slot_call_refuses_index_arrays_key_rows_or_work_that_do_not
     kw = dict(splits=s, softmax_scale=0.1)
     with pytest.raises(ValueError, match="cu_seqlens: required"):
         launch_slot_call(spec, q, k, k, out, lse, torch.empty(floats), **kw)
-    with pytest.raises(ValueError, match="tail_cu_seqlens: not taken"):
-        launch_slot_call(spec, q, k, k, out, lse, torch.empty(floats), tail_cu_seqlens=(cu, cu), cu_seqlens=(cu, cu),
-                         **kw)
+    with pytest.raises(ValueError, match="slot_bounds: not taken"):
+        launch_slot_call(spec, q, k, k, out, lse, torch.empty(floats), slot_bounds=cu[:2], cu_seqlens=(cu, cu), **kw)
     with pytest.raises(ValueError, match=r"cu_q expected \[11\]"):
         launch_slot_call(spec, q, k, k, out, lse, torch.empty(floats), cu_seqlens=(cu[:-1], cu), **kw)
     bad = torch.empty(b * nk * 2 * 512 + 512)[256:].as_strided((b, nk, 2, 512), (nk * 1024 + 256, 1024, 512, 1))
@@ -228,22 +223,21 @@ def test_the_batched_slot_call_refuses_index_arrays_key_rows_or_work_that_do_not
         SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 4, batched=True)
 
 
-@pytest.mark.parametrize("beside", [True, False])
-def test_under_capture_the_causal_tail_runs_beside_the_splits(beside, monkeypatch):
-    """Under CUDA-graph capture (stood in for here) a step with FFPA's causal tail keeps the launches one by one, the
-    tail on a second stream (a parallel branch of the graph; split_kv.CAPTURED_TAIL_BESIDE, measured faster there);
-    switched off, the slot call is captured instead. The same memo serves both: eager steps stay one call."""
+def test_under_capture_a_causal_tail_is_the_same_one_slot_call():
+    """Under CUDA-graph capture (stood in for here) a step with FFPA's causal tail is the one slot call as eagerly
+    (the tail is the split launch's last slot: nothing to run beside it); the same memo serves both."""
     from xattn.torch import split_kv as torch_split_kv
 
-    monkeypatch.setattr(torch_split_kv, "CAPTURED_TAIL_BESIDE", beside)
     q, k, v = (t.to(torch.bfloat16) for t in _decode_inputs(1, 4, 8, 2, 900, 16, "contiguous", seed=3))
     ref_out, _ = ref_attention(q.double(), k.double(), v.double(), scale=16 ** -0.5, causal=True)
     for capturing in (True, False):
-        monkeypatch.setattr(torch_split_kv, "_capturing", lambda device, _c=capturing: _c)
-        CALLS.clear()
-        out = xt.attention(q, k, v, causal=True, family="ffpa", num_splits=3)
-        one = not (capturing and beside)
-        assert CALLS == ([("slot_call", "ffpa")] if one else [("fwd", "ffpa"), ("fwd", "ffpa"), ("combine", "ffpa")])
+        torch_split_kv._capturing, real = (lambda device, _c=capturing: _c), torch_split_kv._capturing
+        try:
+            CALLS.clear()
+            out = xt.attention(q, k, v, causal=True, family="ffpa", num_splits=3)
+        finally:
+            torch_split_kv._capturing = real
+        assert CALLS == [("slot_call", "ffpa")]
         torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
 
 
@@ -262,19 +256,19 @@ def test_the_slot_call_refuses_a_split_count_or_work_buffer_that_does_not_fit():
                                 (128, floats, "splits"), (4, floats - 1, f"at least {floats} floats")):
         with pytest.raises(ValueError, match=match):
             launch_slot_call(spec, q, k, k, out, lse, torch.empty(work), splits=splits, softmax_scale=0.1)
-    cu = torch.zeros(3, dtype=torch.int32)
-    with pytest.raises(ValueError, match="tail_cu_seqlens: not taken"):
+    bounds = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="slot_bounds: not taken"):
         launch_slot_call(spec, q, k, k, out, lse, torch.empty(floats), splits=4, softmax_scale=0.1,
-                         tail_cu_seqlens=(cu, cu))
+                         slot_bounds=bounds)
     tail = SlotCallSpec("ffpa", "bfloat16", 512, 512, 4, 8, tail=True)
-    q5, k5, out5, lse5 = torch.empty(1, 4, 8, 512), torch.empty(1, 4, 2, 512), torch.empty(1, 4, 8, 512), \
+    q5, k5, out5, lse5 = torch.empty(1, 4, 8, 512), torch.empty(1, 7, 2, 512), torch.empty(1, 4, 8, 512), \
         torch.empty(1, 8, 4)
-    for kw, match in ((dict(), "tail_cu_seqlens: required"), (dict(tail_cu_seqlens=(cu, cu)), "splits' keys")):
-        with pytest.raises(ValueError, match=match):
-            launch_slot_call(tail, q5, k5, k5, out5, lse5, torch.empty(10 ** 6), splits=2, softmax_scale=0.1, **kw)
+    for kw, match in ((dict(), "slot_bounds: required"), (dict(slot_bounds=bounds), "leave the last slot Nq keys")):
+        with pytest.raises(ValueError, match=match):  # 7 keys in 2 slots: the last one holds 4, Nq 4: fine; 3: not
+            launch_slot_call(tail, q5, k5, k5, out5, lse5, torch.empty(10 ** 6), splits=3, softmax_scale=0.1, **kw)
     with pytest.raises(ValueError, match="chunk one of"):
         SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 5)
-    with pytest.raises(ValueError, match="causal tail beside the slots"):
+    with pytest.raises(ValueError, match="causal tail in the last slot"):
         SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 4, tail=True)
 
 
@@ -288,12 +282,15 @@ def test_a_signature_seen_before_runs_the_slot_launch_from_its_memo(family, d, n
     from xattn.core import split_kv as core_split_kv
     from xattn.torch import ops
 
-    def run(layout, seed, **kw):
+    def run(layout, seed, **kw):  # FFPA's tail: 16-bit (the slot call alone masks it into the last slot)
         q, k, v = _decode_inputs(1, nq, 8, 2, nk, d, layout, seed)
+        if family == "ffpa":
+            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
         out, lse = xt.attention_with_lse(q, k, v, causal=True, family=family, **kw)
-        ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=True)
-        torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=1e-5)
+        ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), scale=d ** -0.5, causal=True)
+        tol = 2e-2 if family == "ffpa" else 1e-6  # the partials rounded to bf16
+        torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
     run("contiguous", 1, num_splits=3)
     assert len(ops._SLOT_CALLS) == 1
@@ -304,25 +301,28 @@ def test_a_signature_seen_before_runs_the_slot_launch_from_its_memo(family, d, n
                                                                                     _real(*a, **kw))[1])
     CALLS.clear()
     run("hf", 2, num_splits=3)
-    assert not decided and ("combine", family) in CALLS, "the memo did not run the slot launch"
+    ran = ("slot_call" if family == "ffpa" else "combine", family)  # FA4 fp64: the launches one by one
+    assert not decided and ran in CALLS, "the memo did not run the slot launch"
     run("contiguous", 3, num_splits=4)  # another split count: decided afresh
     assert "_fwd_route" in decided and len(ops._SLOT_CALLS) == 2
     decided.clear()
     CALLS.clear()
     monkeypatch.setenv("XATTN_FWD_ROUTE", "fused")
     run("contiguous", 4, num_splits=3)  # the same call under another route request: the fused kernel
-    assert "_fwd_route" in decided and ("combine", family) not in CALLS
+    assert "_fwd_route" in decided and ran not in CALLS and ("combine", family) not in CALLS
 
 
-def test_the_slot_launch_takes_one_sequence_split_evenly_or_with_ffpas_tail_in_place():
+def test_the_slot_launch_takes_one_sequence_split_evenly_or_with_ffpas_tail_in_its_last_slot():
     plan = split_kv.plan_splits(8, True, 4, 4096)
-    assert split_kv.slot_launch(plan, "ffpa", 1, 4096, 4) == split_kv.SlotLaunch(4092 // 8, 4096 - 8 * 511, 9)
+    assert split_kv.slot_launch(plan, "ffpa", 1, 4096, 4) == split_kv.SlotLaunch(512, 512, 8, True)
+    assert split_kv.slot_launch(split_kv.plan_splits(7, True, 4, 4100), "ffpa", 1, 4100, 4) == \
+        split_kv.SlotLaunch(585, 4100 - 6 * 585, 7, True)  # the last slot holds the remainder
     assert split_kv.slot_launch(plan, "fa4", 1, 4096, 4) is None  # FA4's tail: split_kv.TAIL_SLOT_FAMILIES
     assert split_kv.slot_launch(plan, "ffpa", 2, 4096, 4) is None  # two sequences: q once per slot, or shared_q
     assert split_kv.slot_launch(split_kv.plan_splits(8, False, 4, 4096), "ffpa", 1, 4096, 4) == \
-        split_kv.SlotLaunch(512, 0, 8)  # S divides the keys: nothing beside
+        split_kv.SlotLaunch(512, 512, 8)  # S divides the keys
     assert split_kv.slot_launch(split_kv.plan_splits(4, False, 1, 1024), "fa4", 1, 1024, 1) == \
-        split_kv.SlotLaunch(256, 0, 4)
+        split_kv.SlotLaunch(256, 256, 4)
     assert split_kv.slot_launch(split_kv.plan_splits(3, False, 1, 700), "fa4", 1, 700, 1) is None  # a key left over
     assert split_kv.slot_launch(split_kv.plan_splits(8, True, 4, None), "ffpa", 1, 4096, 4) is None  # lengths per call
     assert split_kv.slot_launch(split_kv.plan_splits(2, True, 5, 3), "ffpa", 1, 3, 5) is None  # tail longer than keys

@@ -141,12 +141,12 @@ def _split_on_a_busy_stream(q, k, v, fresh, causal):
     (512, 3, 4, 6144, False, torch.float16), (512, 4, 4, 9001, True, torch.bfloat16),  # FFPA's causal tail inside
     (512, 2, 4, 4100, True, torch.float16),
 ])
-def test_slot_call_is_one_call_and_equals_the_two_launches_bit_for_bit(layout, d, nq, hkv, nk, causal, dtype,
-                                                                       monkeypatch):
+def test_slot_call_is_one_call_and_equals_the_launches(layout, d, nq, hkv, nk, causal, dtype, monkeypatch):
     """One sequence on the slot launch runs eagerly as one host function (xattn.core.slot_call_sm90: the dense split
-    launch, FFPA's causal tail and the combine, the partials in one work buffer): the same kernels as the launches
-    one by one (the tail on a second stream), so the same bits, out and lse; on a caller's own stream right after the
-    keys were written there (the call must enqueue on that stream). Judged against fp64 too."""
+    launch, FFPA's causal tail masked into its last slot, and the combine, the partials in one work buffer), on a
+    caller's own stream right after the keys were written there (the call must enqueue on that stream). Without a
+    tail the kernels are the two launches' (same bits, out and lse); with one the varlen route's launches one by one
+    compute it otherwise (equal within bf16 rounding). Judged against fp64 too."""
     from xattn.torch import ops
     from xattn.torch import split_kv as torch_split_kv
 
@@ -157,14 +157,42 @@ def test_slot_call_is_one_call_and_equals_the_two_launches_bit_for_bit(layout, d
     got = _split_on_a_busy_stream(q, k, v, fresh, causal)
     assert len(calls) == 1, "the slot call did not run"
     monkeypatch.setattr(ops, "_SLOT_CALLS", type(ops._SLOT_CALLS)(256))
+    tail = calls[0].tail
     two = torch_split_kv.slot_call
-    monkeypatch.setattr(torch_split_kv, "slot_call", lambda *a: two(*a)._replace(call=None))
+    monkeypatch.setattr(torch_split_kv, "slot_call", (lambda *a: None) if tail else
+                        (lambda *a: two(*a)._replace(call=None)))
     with routes.forced_forward("split-kv"):
         out2, lse2 = xt.attention_with_lse(q, k, v, causal=causal)
-    assert len(calls) == 1  # the two launches this time
-    assert torch.equal(got[0], out2) and torch.equal(got[1], lse2)
+    assert len(calls) == 1  # the launches this time
+    if not tail:
+        assert torch.equal(got[0], out2) and torch.equal(got[1], lse2)
+    assert rel_err(got[0], out2) < 1e-2 and (got[1] - lse2).abs().max() < 1e-3
     ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=causal)
     assert rel_err(got[0], ref_out) < 1e-2 and (got[1].double() - ref_lse).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("d, nq, hq, hkv, nk, splits", [
+    (512, 4, 32, 4, 8192, 32), (512, 4, 32, 4, 8195, 32), (512, 16, 8, 1, 1000, 3), (512, 2, 16, 2, 4100, 5),
+    (512, 4, 32, 4, 100, 2),  # one slot: the plan keeps S 1 (a key tile)
+    (384, 2, 32, 4, 3001, 7), (320, 8, 16, 4, 2000, 5), (448, 3, 8, 8, 1500, 4),
+])
+def test_the_last_slot_masks_ffpas_causal_tail(d, nq, hq, hkv, nk, splits, monkeypatch):
+    """FFPA's causal tail inside the slot launch (xattn.core.slot_call_sm90, ``_last_slot_causal``): every head dim
+    kernel of FFPA (d512, d384, generic) with the mask, the last slot holding the remainder of Nk // S (0 to S - 1
+    keys more) or the only slot, GQA 1-8, Nq 2-16: against fp64 and the fused kernel (num_splits 1), out and lse."""
+    from xattn.torch import ops
+
+    calls, real = [], ops.LAUNCH["slot_call"]
+    monkeypatch.setitem(ops.LAUNCH, "slot_call", lambda *a, **kw: (calls.append(a[0]), real(*a, **kw))[1])
+    q, k, v = _decode(1, nq, hq, hkv, nk, d, "contiguous", seed=nk + d + nq)
+    poison_allocator()
+    out, lse = xt.attention_with_lse(q, k, v, causal=True, num_splits=splits)
+    assert len(calls) == 1 and calls[0].tail, "the slot call with its causal tail did not run"
+    fused_out, fused_lse = xt.attention_with_lse(q, k, v, causal=True, num_splits=1)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=True)
+    err, fused_err = rel_err(out, ref_out), rel_err(fused_out, ref_out)
+    assert err < 2 * fused_err + 2e-3, (err, fused_err)
+    assert (lse.double() - ref_lse).abs().max() < 1e-3 + (fused_lse.double() - ref_lse).abs().max()
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])

@@ -285,33 +285,38 @@ def launch_split_meta(spec: SplitMetaSpec, keys, cu_k, tail_k, lse_fill, packed=
 
 
 def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int, softmax_scale: float,
-                     tail_cu_seqlens=None, cu_seqlens=None, stream: int | None = None) -> None:
+                     slot_bounds=None, cu_seqlens=None, stream: int | None = None) -> None:
     """Enqueue the split-KV route's slot call (:mod:`xattn.core.slot_call_sm90`): the slot launch of one sequence,
-    with ``spec.tail`` its causal tail, and the combine, one host function. Reads q ``[1, Nq, Hq, D]``, k/v ``[1, Nk,
-    Hkv, D/Dv]`` (``spec.dtype``, any strides with a unit last one); writes every element of out ``[1, Nq, Hq, Dv]``
-    and lse ``[1, Hq, Nq]`` (f32, Nq stride 1), and ``work`` (f32, at least :func:`slot_work_floats` floats of
-    P = S + tail partials). ``splits`` S: dividing Nk without a tail; with one, ``tail_cu_seqlens = (tail_cu_q,
-    tail_cu_k)`` int32 ``[3]`` on the device, ``[0, 0, Nq]`` and ``[0, S c, Nk]`` for ``c = (Nk - Nq) // S`` (values
-    trusted); at least one key per split either way. ``softmax_scale`` as :func:`launch_fwd`'s.
+    with ``spec.tail`` its causal tail in the last slot, and the combine, one host function. Reads q ``[1, Nq, Hq,
+    D]``, k/v ``[1, Nk, Hkv, D/Dv]`` (``spec.dtype``, any strides with a unit last one); writes every element of out
+    ``[1, Nq, Hq, Dv]`` and lse ``[1, Hq, Nq]`` (f32, Nq stride 1), and ``work`` (f32, at least
+    :func:`slot_work_floats` floats of P = S partials). ``splits`` S: dividing Nk without a tail; with one,
+    ``slot_bounds`` int32 ``[2]`` on the device, ``[Nk // S, S - 1]`` (values trusted; the mask of the last slot),
+    whose last slot ``Nk - (S - 1) (Nk // S)`` holds at least Nq keys. ``softmax_scale`` as :func:`launch_fwd`'s.
 
     ``spec.batched``: B >= 1 sequences of Nk keys each (q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]`` whose sequences
     are a whole number R >= Nk of rows apart, out and lse ``[B, ...]``) on the varlen split launch, ``cu_seqlens =
     (cu_q, cu_k)`` int32 ``[B (P + 1) + 1]`` on the device (:func:`~xattn.core.split_kv.split_cu_seqlens` of a
-    filled plan of S splits; values trusted), the tail (if any) on each sequence's last Nq keys (Nk > Nq); ``work``
-    :func:`slot_work_floats` with ``batch`` and ``head_dim``. Shapes, dtypes and strides are checked in C by the
-    launcher, S, the tail, the index arrays' lengths, the key rows and the work's size here."""
+    filled plan of S splits; values trusted), the tail (if any) on each sequence's last Nq keys (Nk > Nq) into slot
+    S (P = S + 1); ``work`` :func:`slot_work_floats` with ``batch`` and ``head_dim``. Shapes, dtypes and strides are
+    checked in C by the launcher, S, the tail, the index arrays' lengths, the key rows and the work's size here."""
     b, nk, nq, hq, dv = q.shape[0], k.shape[1], q.shape[1], q.shape[2], v.shape[-1]
-    for name, given, wanted in (("tail_cu_seqlens", tail_cu_seqlens, spec.tail and not spec.batched),
+    for name, given, wanted in (("slot_bounds", slot_bounds, spec.tail and not spec.batched),
                                 ("cu_seqlens", cu_seqlens, spec.batched)):
         if (given is not None) != wanted:
             raise ValueError(f"{name}: {'required' if wanted else 'not taken'} by {spec.short_name()}")
-    keys = nk - nq if spec.tail else nk  # the splits' keys: every slot holds at least one
-    even = spec.batched or spec.tail or splits < 1 or nk % splits == 0
+    if spec.batched:
+        keys, even, parts = nk - nq if spec.tail else nk, True, splits + spec.tail
+    elif spec.tail:  # the last slot holds the remainder and at least Nq keys
+        keys, parts = nk, splits
+        even = 1 <= splits <= nk and nk - (splits - 1) * (nk // splits) >= nq
+    else:
+        keys, even, parts = nk, splits < 1 or nk % splits == 0, splits
     if not 1 <= splits < MAX_PARTIALS or keys < splits or not even:
+        rule = (f"divide Nk {nk}" if not spec.tail else "leave the last slot Nq keys") if not spec.batched else ""
         raise ValueError(f"launch_slot_call: splits must be in 1-{MAX_PARTIALS - 1}, at most the splits' keys "
-                         f"({'Nk - Nq' if spec.tail else 'Nk'}){'' if even else f' and divide Nk {nk}'}; got "
-                         f"splits {splits}, Nq {nq}, Nk {nk}")
-    parts = splits + spec.tail
+                         f"({'Nk - Nq' if spec.tail and spec.batched else 'Nk'}){' and ' + rule if rule else ''}; "
+                         f"got splits {splits}, Nq {nq}, Nk {nk}")
     if spec.batched:
         _check_batched(b, parts, cu_seqlens, k, v)
         floats = slot_work_floats(parts, nq, hq, dv, b, q.shape[-1])
@@ -320,7 +325,7 @@ def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int
     if len(work.shape) != 1 or work.shape[0] < floats:
         raise ValueError(f"work: expected at least {floats} floats (S {splits}, tail {spec.tail}, B {b}, Nq {nq}, "
                          f"Hq {hq}, Dv {dv}), got shape {tuple(work.shape)}")
-    args = (q, k, v, *(tail_cu_seqlens or ()), *(cu_seqlens or ()), out, lse, work)
+    args = (q, k, v, *((slot_bounds,) if slot_bounds is not None else ()), *(cu_seqlens or ()), out, lse, work)
     function = get_launcher(spec).function
     if stream is None:
         function(*args, splits, softmax_scale)

@@ -53,6 +53,18 @@ class _DenseFwd:
         self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, None, None, None, None, None, stream)
 
 
+class _DenseFwdAux:
+    """The dense forward with ``aux_tensors`` (the kernel's ``mask_mod`` reads them): q k v out lse aux, scale."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mAux: cute.Tensor, softmax_scale: Float32, stream):
+        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, None, None, None, None, [mAux], stream)
+
+
 class _VarlenFwd:
     def __init__(self, kernel):
         self.kernel = kernel
@@ -104,13 +116,15 @@ def fwd_class(d: int):
     return FFPAAttnFwdSm90SplitDGeneric
 
 
-def _fwd_kernel(spec: KernelSpec, cls=None):
+def _fwd_kernel(spec: KernelSpec, cls=None, mask_mod=None):
+    """FFPA's forward kernel object of ``spec``; ``mask_mod`` (non-causal ``spec`` only): FlexAttention's mask
+    ``(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors) -> keep``, its aux tensors passed at the call."""
     d = spec.head_dim
     cls = cls or fwd_class(d)
     return cls(CUTE_DTYPES[spec.dtype], d, spec.head_dim_v, spec.qhead_per_kvhead,
                is_causal=spec.causal, is_local=False, pack_gqa=spec.qhead_per_kvhead > 1,
                tile_m=SM90_FWD_TILE_M, tile_n=SM90_FWD_TILE_N, kv_same=False,
-               mask_mod=None, score_mod=None, has_aux_tensors=False)
+               mask_mod=mask_mod, score_mod=None, has_aux_tensors=mask_mod is not None)
 
 
 def _bwd_kernels(spec: KernelSpec):

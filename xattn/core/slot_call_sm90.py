@@ -3,24 +3,25 @@
 made inside it (no torch views, no second call, no second stream: the host time of an eager step). One sequence
 below; B > 1 sequences under "Batched".
 
-Launcher signatures (glossary of :mod:`xattn.core.split_kv`; ``S`` splits of ``c`` keys, ``P`` partial slots)::
+Launcher signatures (glossary of :mod:`xattn.core.split_kv`; ``S`` slots ``c = Nk // S`` keys apart, P = S partials)::
 
-  no tail: q, k, v, out, lse, work, splits (S, Int32), scale              c = Nk / S, P = S
-  tail   : q, k, v, tail_cu_q, tail_cu_k, out, lse, work, splits, scale   c = (Nk - Nq) / S (floor), P = S + 1
+  no tail: q, k, v, out, lse, work, splits (S, Int32), scale           S divides Nk
+  tail   : q, k, v, bounds, out, lse, work, splits, scale              bounds int32 [2] = [c, S - 1]
 
   q [1, Nq, Hq, D], k [1, Nk, Hkv, D], v [1, Nk, Hkv, Dv] (dtype, any strides with a unit last one),
-  out [1, Nq, Hq, Dv] (dtype), lse [1, Hq, Nq] f32 (Nq stride 1), work [W] f32, tail_cu_q / tail_cu_k [3] int32
+  out [1, Nq, Hq, Dv] (dtype), lse [1, Hq, Nq] f32 (Nq stride 1), work [W] f32
 
-``work`` holds the partials: ``out_partial [P, Nq, Hq, Dv]`` (dtype, contiguous) from its start, then
-``lse_partial [P, Hq, Nq]`` (f32, contiguous): ``W = P Nq Hq (Dv / 2 + 1)`` floats
+``work`` holds the partials: ``out_partial [S, Nq, Hq, Dv]`` (dtype, contiguous) from its start, then
+``lse_partial [S, Hq, Nq]`` (f32, contiguous): ``W = S Nq Hq (Dv / 2 + 1)`` floats
 (:func:`~xattn.core.split_kv.slot_work_floats`). Inside, in stream order: the family's dense forward of batch S
 (:mod:`xattn.core.fa4_sm90` on the decode tile where :data:`~xattn.core.split_kv.SPLIT_TILES` names one,
-:mod:`xattn.core.ffpa_sm90`) on ``q_slots [S, Nq, Hq, D]`` (batch stride 0) and ``k/v_slots [S, c, Hkv, D]`` (batch
-stride ``c`` rows) into slots ``0..S-1``; with a tail, the family's causal varlen forward of the Nq queries on keys
-``[S c, Nk)`` (``tail_cu_q = [0, 0, Nq]``, ``tail_cu_k = [0, S c, Nk]``: a first document without a query) into slot
-S; then the combine (:mod:`xattn.core.combine_sm90`, with PDL) into out and lse. Writes every element of out and
-lse. The caller's plan (:func:`~xattn.core.split_kv.slot_launch`) makes S divide Nk without a tail, and every tail
-query see a key (Nk > Nq) with one: no partial needs a pre-fill.
+:mod:`xattn.core.ffpa_sm90`) on ``q_slots [S, Nq, Hq, D]`` (batch stride 0) and ``k/v_slots [S, n, Hkv, D]`` (batch
+stride ``c`` rows) into the slots, then the combine (:mod:`xattn.core.combine_sm90`, with PDL) into out and lse.
+Without a tail n = c. With one (FFPA) every slot views the last slot's ``n = Nk - (S - 1) c`` keys and the forward
+runs with a mask (:func:`_last_slot_causal`, ``bounds`` its aux tensor): slot b < S - 1 keeps its own c keys, the
+last slot its n causally (bottom-right), so the causal tail costs no launch of its own. Writes every element of out
+and lse; the caller's plan (:func:`~xattn.core.split_kv.slot_launch`) leaves every query a key in every slot (n >=
+Nq): no partial needs a pre-fill.
 
 **Batched** (``spec.batched``: B > 1 sequences of Nk keys each, FFPA): the splits cannot be a dense launch there (its
 batch would be the nested mode (S, B), which the kernels' layouts do not take), so they run as the varlen launch of
@@ -49,6 +50,8 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from quack.compile_utils import make_fake_tensor  # noqa: E402
 
+from ffpa_attn.cute import utils as ffpa_utils  # noqa: E402
+
 from . import combine_sm90, fa4_sm90, ffpa_sm90  # noqa: E402
 from .split_kv import SlotCallSpec  # noqa: E402
 from .symbolic import CUTE_DTYPES, Dims, compile_launcher  # noqa: E402
@@ -57,44 +60,35 @@ __all__ = ["compile_slot_call"]
 
 
 class _SlotCall:
-    def __init__(self, forward, tail, merge, dtype):
-        self.forward, self.tail, self.merge, self.dtype = forward, tail, merge, dtype
+    def __init__(self, forward, merge, dtype, tail: bool = False):
+        self.forward, self.merge, self.dtype, self.tail = forward, merge, dtype, tail
 
-    def _run(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTailCuQ, mTailCuK, mO: cute.Tensor,
+    def _run(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBounds, mO: cute.Tensor,
              mLSE: cute.Tensor, mWork: cute.Tensor, splits: Int32, softmax_scale: Float32, stream):
         nq, hq, d = mQ.shape[1], mQ.shape[2], mQ.shape[3]
         nk, hkv, dv = mK.shape[1], mK.shape[2], mV.shape[3]
         parts = splits
         chunk = nk // splits
-        if self.tail is not None:  # (traced inline: plain Python)
-            parts = splits + 1
-            chunk = (nk - nq) // splits
+        keys = chunk  # keys of a slot's view
+        if self.tail:  # (traced inline: plain Python) every slot views the last one's keys
+            keys = nk - (splits - 1) * chunk
         q_slots = cute.make_tensor(mQ.iterator, cute.make_layout(
             (splits, nq, hq, d), stride=(0, mQ.stride[1], mQ.stride[2], 1)))
         k_slots = cute.make_tensor(mK.iterator, cute.make_layout(
-            (splits, chunk, hkv, d), stride=(chunk * mK.stride[1], mK.stride[1], mK.stride[2], 1)))
+            (splits, keys, hkv, d), stride=(chunk * mK.stride[1], mK.stride[1], mK.stride[2], 1)))
         v_slots = cute.make_tensor(mV.iterator, cute.make_layout(
-            (splits, chunk, hkv, dv), stride=(chunk * mV.stride[1], mV.stride[1], mV.stride[2], 1)))
+            (splits, keys, hkv, dv), stride=(chunk * mV.stride[1], mV.stride[1], mV.stride[2], 1)))
         rows = nq * hq  # one slot's query rows
         # offsets into work keep its 16-byte alignment in the pointers' types (Dv a multiple of 8: the combine's), as
-        # the launchers' own arguments claim (the tail's fault was its out strides, below; not this alone)
-        at = lambda floats: mWork.iterator + cute.assume(floats, divby=4)  # noqa: E731
+        # the launchers' own arguments claim
         out_ptr = cute.recast_ptr(mWork.iterator, dtype=self.dtype)
-        lse_ptr = at(parts * rows * (dv // 2))
+        lse_ptr = mWork.iterator + cute.assume(parts * rows * (dv // 2), divby=4)
         out_p = cute.make_tensor(out_ptr, cute.make_layout((splits, nq, hq, dv), stride=(rows * dv, hq * dv, dv, 1)))
         lse_p = cute.make_tensor(lse_ptr, cute.make_layout((splits, hq, nq), stride=(rows, nq, 1)))
-        self.forward(q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale, stream)
-        if self.tail is not None:  # slot S: the varlen layouts of q's, k's and v's own rows
-            rows_of = lambda t, n, h, e: cute.make_tensor(  # noqa: E731
-                t.iterator, cute.make_layout((n, h, e), stride=(t.stride[1], t.stride[2], 1)))
-            q_rows, k_rows, v_rows = rows_of(mQ, nq, hq, d), rows_of(mK, nk, hkv, d), rows_of(mV, nk, hkv, dv)
-            # FFPA's varlen forward faults on an out layout with static or 32-bit strides (H100, session 31): give the
-            # tail's slot the kind its own launcher takes, dynamic 64-bit strides divisible by 8
-            wide = lambda x: cute.assume(cutlass.Int64(x), divby=8)  # noqa: E731
-            out_t = cute.make_tensor(cute.recast_ptr(at(splits * rows * (dv // 2)), dtype=self.dtype),
-                                     cute.make_layout((nq, hq, dv), stride=(wide(hq * dv), wide(hq * 0 + dv), 1)))
-            lse_t = cute.make_tensor(lse_ptr + splits * rows, cute.make_layout((hq, nq), stride=(nq, 1)))
-            self.tail(q_rows, k_rows, v_rows, mTailCuQ, mTailCuK, out_t, lse_t, softmax_scale, stream)
+        if not self.tail:
+            self.forward(q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale, stream)
+        else:  # the causal tail inside the split launch: its last slot, masked (_last_slot_causal)
+            self.forward(q_slots, k_slots, v_slots, out_p, lse_p, mBounds, softmax_scale, stream)
         # the combine's views: partials [P, 1, Nq, Hq, Dv] / [P, 1, Nq, Hq], lse [1, Nq, Hq] (Nq stride 1)
         out_c = cute.make_tensor(out_ptr, cute.make_layout(
             (parts, 1, nq, hq, dv), stride=(rows * dv, rows * dv, hq * dv, dv, 1)))
@@ -104,19 +98,30 @@ class _SlotCall:
         self.merge(out_c, lse_c, mO, lse_o, Float32(0.0), stream)
 
 
+@cute.jit
+def _last_slot_causal(batch, head, q_idx, kv_idx, seqlen, aux):
+    """The slot launch's mask with its causal tail inside (``aux[0] = [c, S - 1]`` int32): slot b < S - 1 keeps its
+    own ``c`` keys, the last slot its keys causally (query i: key j <= n - Nq + i of its n, bottom-right)."""
+    bounds = aux[0]
+    b, i, j = batch[0], q_idx[0], kv_idx[0]
+    last = Int32(b == bounds[1])
+    causal = Int32(j - i <= seqlen.seqlen_k - seqlen.seqlen_q)
+    own = Int32(j < bounds[0])
+    return ffpa_utils.scalar_to_ssa(cutlass.Boolean((last & causal) | ((1 - last) & own)), cutlass.Boolean)
+
+
 class _Splits(_SlotCall):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mWork: cute.Tensor, splits: Int32, softmax_scale: Float32, stream):
-        self._run(mQ, mK, mV, None, None, mO, mLSE, mWork, splits, softmax_scale, stream)
+        self._run(mQ, mK, mV, None, mO, mLSE, mWork, splits, softmax_scale, stream)
 
 
 class _SplitsAndTail(_SlotCall):
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTailCuQ: cute.Tensor,
-                 mTailCuK: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, splits: Int32,
-                 softmax_scale: Float32, stream):
-        self._run(mQ, mK, mV, mTailCuQ, mTailCuK, mO, mLSE, mWork, splits, softmax_scale, stream)
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBounds: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mWork: cute.Tensor, splits: Int32, softmax_scale: Float32, stream):
+        self._run(mQ, mK, mV, mBounds, mO, mLSE, mWork, splits, softmax_scale, stream)
 
 
 class _Broadcast:
@@ -229,13 +234,13 @@ def compile_slot_call(spec: SlotCallSpec):
     lse = make_fake_tensor(Float32, (one, dims.hq, dims.nq), divisibility=1)
     work = make_fake_tensor(Float32, (cute.sym_int(),), divisibility=4)
     merge = combine_sm90._Merge(dtype, spec.head_dim_v, combine_sm90.PDL, spec.chunk)
-    tail = spec.tail_spec()
-    if tail is None:
-        return compile_launcher(_Splits(_forward(launch), None, merge, dtype), (q, k, v, out, lse, work),
+    if not spec.tail:
+        return compile_launcher(_Splits(_forward(launch), merge, dtype), (q, k, v, out, lse, work),
                                 scalars=(Int32(1), Float32(1.0)))
-    cu = (make_fake_tensor(Int32, (3,), divisibility=1), make_fake_tensor(Int32, (3,), divisibility=1))
-    return compile_launcher(_SplitsAndTail(_forward(launch), _forward(tail), merge, dtype),
-                            (q, k, v, *cu, out, lse, work), scalars=(Int32(1), Float32(1.0)))
+    bounds = make_fake_tensor(Int32, (2,), divisibility=1)
+    forward = ffpa_sm90._DenseFwdAux(ffpa_sm90._fwd_kernel(launch, mask_mod=_last_slot_causal))
+    return compile_launcher(_SplitsAndTail(forward, merge, dtype, tail=True),
+                            (q, k, v, bounds, out, lse, work), scalars=(Int32(1), Float32(1.0)))
 
 
 def _compile_batched(spec: SlotCallSpec, launch, dims: Dims, dtype):

@@ -27,11 +27,11 @@ How one call runs (the front ends, :mod:`xattn.torch.split_kv`):
    ``[B, Hq, Nq]`` (natural log): ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s``.
    A row no key reaches gets out 0, lse -inf, as the fused kernels.
 
-**Slot launch** (one sequence, a filled plan, S dividing the keys or FFPA's tail in place: :func:`slot_launch`): the
+**Slot launch** (one sequence, a filled plan, S dividing the keys or FFPA's causal tail: :func:`slot_launch`): the
 splits run as the dense forward of batch S instead, q read once per slot through a batch stride of 0 (no copy of q),
 keys through a strided view of equal chunks: no index read before the first key (a varlen launch reads its
-``cu_seqlens`` first, a dependent round trip to memory on a decode step's critical path); a causal tail runs beside
-it into one more slot.
+``cu_seqlens`` first, a dependent round trip to memory on a decode step's critical path); FFPA's causal tail is
+its last slot, masked (:func:`slot_launch`), so nothing runs beside it.
 
 **Packed queries** (varlen: ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_q/k``, at most Nq =
 ``max_seqlen_q`` <= :data:`MAX_DECODE_QUERIES` queries per document: vLLM's and HF continuous batching's decode
@@ -139,43 +139,47 @@ def splits_only(plan: SplitPlan) -> SplitPlan:
 
 
 SLOT_FAMILIES = ("ffpa", "fa4")  # whose dense forward runs the slot launch (FA4's on its decode tile)
-TAIL_SLOT_FAMILIES = ("ffpa",)  # whose slot launch also takes a causal tail beside it (FA4's: not yet measured)
+TAIL_SLOT_FAMILIES = ("ffpa",)  # whose slot launch masks a causal tail into its last slot (FA4's: not built)
 BATCHED_SLOT_FAMILIES = ("ffpa",)  # whose B > 1 dense decode steps run as the batched slot call (FA4's: its own path)
 
 
 @dataclass(frozen=True)
 class SlotLaunch:
-    """The **slot launch** of one sequence (:func:`slot_launch`): ``chunk`` keys per split (``c``), ``rest`` keys
-    from ``S c`` on for the causal tail beside it (0: none), ``partials`` slots (``P``: S, + 1 with a tail)."""
+    """The **slot launch** of one sequence (:func:`slot_launch`): S slots ``chunk`` keys apart (``c``), each viewing
+    ``keys`` keys (``c``; with ``tail`` the last slot's ``Nk - (S - 1) c``, its causal part inside: a slot b < S - 1
+    keeps its own c keys, the last one its keys causally), ``partials`` slots (P = S)."""
 
     chunk: int
-    rest: int
+    keys: int
     partials: int
+    tail: bool = False
 
 
 def slot_launch(plan: SplitPlan, family: str, batch: int, length: int, seqlen_q: int) -> SlotLaunch | None:
     """How the splits of one sequence of ``length`` keys run as the **slot launch**, or ``None`` where the varlen
-    launch runs them. The split launch is then the family's dense non-causal forward over S slots (batch S, no index
-    to read before the first key): every slot reads q's own Nq rows through a batch stride of 0 (no copy of q per
-    slot) and slot s the keys ``[s c, (s + 1) c)``, ``c = F // S`` of the ``F`` keys every query sees, through a
-    batch stride of c rows (no copy of the cache). It applies to one sequence with a filled plan and either
+    launch runs them. The split launch is then the family's dense forward over S slots (batch S, no index to read
+    before the first key): every slot reads q's own Nq rows through a batch stride of 0 (no copy of q per slot) and
+    slot s the keys from ``s c``, ``c = length // S``, through a batch stride of c rows (no copy of the cache). It
+    applies to one sequence with a filled plan and either
 
-    * no causal tail and S dividing F (:data:`SLOT_FAMILIES`): the keys split evenly, nothing runs beside, or
-    * a causal tail in place (:data:`TAIL_SLOT_FAMILIES`): the keys from ``S c`` on (Nq to Nq + S - 1: its
-      bottom-right alignment lets every query see the ones before its causal part) run beside it into slot S.
+    * no causal tail and S dividing the keys (:data:`SLOT_FAMILIES`): the keys split evenly, or
+    * a causal tail (:data:`TAIL_SLOT_FAMILIES`): every slot views the last slot's ``length - (S - 1) c`` keys
+      (c plus the remainder), a mask keeps slot b < S - 1 to its own c and the last slot causal (bottom-right: query
+      i sees key p iff p <= length - Nq + i), so no launch runs beside it (:mod:`xattn.core.slot_call_sm90`). The
+      last slot holds at least Nq keys (every query sees one).
 
-    Keys left over without a tail (S not dividing F) stay on the varlen launch: a launch beside for them measured
-    slower (H100, d128 B1, 8200 keys, 10 left over: 0.0296 ms under a CUDA graph, SDPA 0.0268; 8192 keys 0.0249)."""
+    Keys left over without a tail (S not dividing the keys) stay on the varlen launch: a launch beside for them
+    measured slower (H100, d128 B1, 8200 keys, 10 left over: 0.0296 ms under a CUDA graph, SDPA 0.0268; 8192 keys
+    0.0249)."""
     if family not in SLOT_FAMILIES or batch != 1 or not plan.filled:
         return None
-    if plan.tail and (family not in TAIL_SLOT_FAMILIES or not plan.tail_in_place(batch)):
-        return None
-    full = _full_keys(length, seqlen_q, plan.tail)
-    chunk = full // plan.splits  # >= 1: a filled plan has at most one split per key
-    rest = length - plan.splits * chunk
-    if rest and not plan.tail:
-        return None
-    return SlotLaunch(chunk, rest, plan.splits + int(rest > 0))
+    chunk = length // plan.splits  # >= 1: a filled plan has at most one split per key
+    keys = length - (plan.splits - 1) * chunk
+    if plan.tail:
+        if family not in TAIL_SLOT_FAMILIES or keys < seqlen_q:
+            return None
+        return SlotLaunch(chunk, keys, plan.splits, True)
+    return SlotLaunch(chunk, chunk, plan.splits) if keys == chunk else None
 
 
 def batched_slot_call(plan: SplitPlan, family: str, batch: int) -> bool:
@@ -379,10 +383,11 @@ def slot_call_digest() -> str:
 @dataclass(frozen=True)
 class SlotCallSpec(FieldsHashed):
     """Compile key of the **slot call** (:mod:`xattn.core.slot_call_sm90`): the slot launch of one sequence
-    (:func:`slot_launch`), with ``tail`` its causal tail (:data:`TAIL_SLOT_FAMILIES`), and the combine as one host
-    function: a decode step's one TVM-FFI call. The launches inside are :meth:`launch_spec` (the family's dense
-    non-causal forward, FA4's on its decode tile) and :meth:`tail_spec`; ``chunk`` the combine's
-    (:func:`combine_chunk` of P). Goes through the launcher and disk caches as the combine does."""
+    (:func:`slot_launch`), with ``tail`` its causal tail in the last slot (:data:`TAIL_SLOT_FAMILIES`: FFPA's forward
+    with a mask), and the combine as one host function: a decode step's one TVM-FFI call. The split launch inside is
+    :meth:`launch_spec` (the family's dense non-causal forward, FA4's on its decode tile; with ``batched`` the varlen
+    one, its tail the launch :meth:`tail_spec`); ``chunk`` the combine's (:func:`combine_chunk` of P). Goes through
+    the launcher and disk caches as the combine does."""
 
     family: str
     dtype: str
@@ -402,7 +407,7 @@ class SlotCallSpec(FieldsHashed):
         if self.chunk not in COMBINE_CHUNKS:
             raise ValueError(f"SlotCallSpec: chunk one of {COMBINE_CHUNKS}, got {self.chunk}")
         if self.tail and self.family not in TAIL_SLOT_FAMILIES:
-            raise ValueError(f"SlotCallSpec: a causal tail beside the slots is {TAIL_SLOT_FAMILIES}'s, not "
+            raise ValueError(f"SlotCallSpec: a causal tail in the last slot is {TAIL_SLOT_FAMILIES}'s, not "
                              f"{self.family!r}'s")
         if self.batched and self.family not in BATCHED_SLOT_FAMILIES:
             raise ValueError(f"SlotCallSpec: the batched slot call is {BATCHED_SLOT_FAMILIES}'s, not {self.family!r}'s")
@@ -418,9 +423,9 @@ class SlotCallSpec(FieldsHashed):
         return split_launch_spec(self._forward(False, self.batched))
 
     def tail_spec(self) -> KernelSpec | None:
-        """The causal tail's launch inside (the family's causal varlen forward; dense when ``batched``), ``None``
-        without a tail."""
-        return self._forward(True, not self.batched) if self.tail else None
+        """The batched call's causal tail launch (the family's dense causal forward), ``None`` without one (one
+        sequence: the tail is the split launch's last slot)."""
+        return self._forward(True, False) if self.tail and self.batched else None
 
     def short_name(self) -> str:
         # "<family>_fwd_" prefix: the disk cache's own-file pattern, so `cache clear` removes these too

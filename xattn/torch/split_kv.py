@@ -395,17 +395,13 @@ def _split(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: 
     _launches(plan, setup, q, q_split, kf, vf, scale, out_p, lse_p, lse_t, out, lse, in_place, fill_tail=True)
 
 
-CAPTURED_TAIL_BESIDE = True  # under CUDA-graph capture a causal tail runs beside the splits (SlotCall.run)
-
-
 class SlotCall(NamedTuple):
     """A call signature on the slot launch (:func:`slot_call`): the plan, the slots and their set-up, derived once;
     :meth:`run` is the whole split route of one call (the front end keeps it per signature, a decode step's only
-    decision then being the memo's lookup). ``call``: the slot call's compile key (the slot launch, its causal tail
-    and the combine in one host function, :mod:`xattn.core.slot_call_sm90`; ``None`` for dtypes the kernels do not
-    take). Eager, a step is that one call; under CUDA-graph capture a causal tail runs beside the splits on a second
-    stream instead (:data:`CAPTURED_TAIL_BESIDE`: a parallel branch of the graph, where replays pay no host time).
-    ``slots`` None: the batched slot call (B > 1, :func:`xattn.core.split_kv.batched_slot_call`), always one call."""
+    decision then being the memo's lookup). ``call``: the slot call's compile key (the slot launch, with FFPA's causal
+    tail in its last slot, and the combine in one host function, :mod:`xattn.core.slot_call_sm90`; ``None`` for
+    dtypes the kernels do not take, where the launches run one by one). ``slots`` None: the batched slot call (B > 1,
+    :func:`xattn.core.split_kv.batched_slot_call`), always one call."""
 
     plan: SplitPlan
     slots: split_kv.SlotLaunch | None
@@ -415,11 +411,11 @@ class SlotCall(NamedTuple):
     def run(self, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor, lse: Tensor) -> None:
         """Write ``out [B, Nq, Hq, Dv]`` and ``lse [B, Hq, Nq]`` (any content before) for q ``[B, Nq, Hq, D]`` on
         k/v ``[B, Nk, Hkv, D]`` of this signature (any strides with a unit last one). B > 1: the batched slot call
-        (:mod:`xattn.core.slot_call_sm90`). B = 1: the S splits are the dense
-        forward of ``q_slots [S, Nq, Hq, D]`` (batch stride 0) on ``k_slots [S, chunk, Hkv, D]`` (batch stride
-        ``chunk`` rows), writing slots ``0..S-1`` of ``out_p [P, Nq, Hq, Dv]`` / ``lse_p [P, Hq, Nq]``; a causal tail
-        beside them writes slot S (its varlen layouts are the same rows); the combine writes out and lse. Only the
-        buffers the launches need (a decode step's host time): the slot call, one buffer and one call."""
+        (:mod:`xattn.core.slot_call_sm90`). B = 1: the S splits are the dense forward of ``q_slots [S, Nq, Hq, D]``
+        (batch stride 0) on ``k_slots [S, n, Hkv, D]`` (batch stride ``chunk`` rows), writing slot s of ``out_p [S,
+        Nq, Hq, Dv]`` / ``lse_p [S, Hq, Nq]``, then the combine writes out and lse: one slot call (with a causal tail,
+        its last slot, masked), or for other dtypes the two launches. Only the buffers the launches need (a decode
+        step's host time)."""
         plan, slots, setup, call = self
         nq, hq = q.shape[1], q.shape[2]
         if slots is None:  # the batched slot call (B > 1): one buffer, one call, in any stream state
@@ -428,47 +424,39 @@ class SlotCall(NamedTuple):
             ops.LAUNCH["slot_call"](call, q, k, v, out, lse, work, splits=plan.splits, softmax_scale=scale,
                                     cu_seqlens=(setup.cu_q, setup.cu_k))
             return
-        s, parts = plan.splits, slots.partials
-        if call is not None and not (slots.rest and CAPTURED_TAIL_BESIDE and _capturing(q.device)):
-            work = torch.empty(split_kv.slot_work_floats(parts, nq, hq, v.shape[-1]), dtype=torch.float32,
+        s = plan.splits
+        if call is not None:
+            work = torch.empty(split_kv.slot_work_floats(s, nq, hq, v.shape[-1]), dtype=torch.float32,
                                device=q.device)  # the partials, laid out inside the call
             ops.LAUNCH["slot_call"](call, q, k, v, out, lse, work, splits=s, softmax_scale=scale,
-                                    tail_cu_seqlens=(setup.tail_q, setup.tail_k) if slots.rest else None)
+                                    slot_bounds=setup.tail_k if slots.tail else None)
             return
-        q_slots, k_slots, v_slots = _slot_views(s, slots.chunk, q, k, v)
-        out_p = torch.empty((parts, nq, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse_p = torch.empty((parts, hq, nq), dtype=torch.float32, device=q.device)
-        if slots.rest:
-            side = Side(q.device)
-            with side.fork():  # the causal tail beside the splits, into slot S
-                ops.LAUNCH["fwd"](setup.tail_checked, q[0], k[0], v[0], out_p[s], lse_p[s], softmax_scale=scale,
-                                  cu_seqlens_q=setup.tail_q, cu_seqlens_k=setup.tail_k, max_seqlen_q=nq,
-                                  max_seqlen_k=setup.tail_max_k)
-            ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p[:s], lse_p[:s], softmax_scale=scale)
-            side.join()
-        else:  # every slot is a split's: no slices
-            ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale=scale)
+        q_slots, k_slots, v_slots = _slot_views(s, slots.chunk, slots.keys, q, k, v)
+        out_p = torch.empty((s, nq, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse_p = torch.empty((s, hq, nq), dtype=torch.float32, device=q.device)
+        ops.LAUNCH["fwd"](setup.checked, q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale=scale)
         # the combine's [P, B, Nq, Hq] view of lse_p [P, Hq, Nq]: one as_strided, not an unsqueeze and a transpose
-        lse_c = lse_p.as_strided((parts, 1, nq, hq), (hq * nq, hq * nq, 1, nq))
+        lse_c = lse_p.as_strided((s, 1, nq, hq), (hq * nq, hq * nq, 1, nq))
         ops.LAUNCH["combine"](setup.combine, out_p.unsqueeze(1), lse_c, out, lse.permute(0, 2, 1))
 
 
 def slot_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor) -> SlotCall | None:
     """The slot launch's :class:`SlotCall` for q ``[B, Nq, Hq, D]`` on k/v ``[B, Nk, Hkv, D]`` under ``plan``, or
     ``None`` where the launches run one by one (:func:`xattn.core.split_kv.slot_launch`,
-    :func:`~xattn.core.split_kv.batched_slot_call`)."""
+    :func:`~xattn.core.split_kv.batched_slot_call`; a causal tail in other dtypes than the kernels' 16-bit ones: the
+    slot call alone masks it)."""
     if q.shape[0] > 1:
         return _batched_call(plan, family, q, k, v)
     slots = split_kv.slot_launch(plan, family, q.shape[0], k.shape[1], q.shape[1])
-    if slots is None:
+    if slots is None or (slots.tail and q.element_size() != 2):
         return None
-    views = _slot_views(plan.splits, slots.chunk, q, k, v)
+    views = _slot_views(plan.splits, slots.chunk, slots.keys, q, k, v)
     setup = _slot_setup(plan, slots, family, *views, q, k, v)
     call = None
     if q.element_size() == 2:  # the slot call (the kernels' dtypes; its key from the validated split launch's)
         spec = setup.checked[0]
         call = SlotCallSpec(spec.family, spec.dtype, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
-                            setup.combine.chunk, tail=bool(slots.rest))
+                            setup.combine.chunk, tail=slots.tail)
     return SlotCall(plan, slots, setup, call)
 
 
@@ -490,40 +478,37 @@ def _batched_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor)
     return SlotCall(plan, None, setup, call)
 
 
-def _slot_views(s: int, chunk: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``q_slots [S, Nq, Hq, D]`` (batch stride 0) and ``k_slots/v_slots [S, chunk, Hkv, D]`` (batch stride
+def _slot_views(s: int, chunk: int, keys: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q_slots [S, Nq, Hq, D]`` (batch stride 0) and ``k_slots/v_slots [S, keys, Hkv, D]`` (batch stride
     ``chunk`` rows): views of q ``[1, Nq, Hq, D]`` and k/v ``[1, Nk, Hkv, D]``."""
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     return (q.as_strided((s, *q.shape[1:]), (0, *qs[1:]), q.storage_offset()),
-            k.as_strided((s, chunk, *k.shape[2:]), (chunk * ks[1], *ks[1:]), k.storage_offset()),
-            v.as_strided((s, chunk, *v.shape[2:]), (chunk * vs[1], *vs[1:]), v.storage_offset()))
+            k.as_strided((s, keys, *k.shape[2:]), (chunk * ks[1], *ks[1:]), k.storage_offset()),
+            v.as_strided((s, keys, *v.shape[2:]), (chunk * vs[1], *vs[1:]), v.storage_offset()))
 
 
 def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slots: Tensor, k_slots: Tensor,
                 v_slots: Tensor, q: Tensor, k: Tensor, v: Tensor) -> _Setup:
     """:func:`_setup` of the slot launch (q ``[1, Nq, Hq, D]``, k/v ``[1, Nk, Hkv, D]``): its dense ``(spec,
-    problem)`` (FA4's decode tile), the causal tail launch's ``cu_seqlens`` (a document without a query on keys
-    ``[0, S chunk)``, then the Nq queries on ``[S chunk, Nk)``) and the combine; keyed by the call's shapes (the
-    slots' follow from them and the plan)."""
+    problem)`` (FA4's decode tile), with a causal tail the slot call's ``bounds [chunk, S - 1]`` (int32 on the
+    device, in the ``tail_k`` field), and the combine; keyed by the call's shapes (the slots' follow from them and the
+    plan)."""
     key = ("slots", plan, family, q.shape, k.shape, v.shape, q.dtype, q.device)
     hit = _SETUPS.get(key)
     if hit is not None:
         return hit
-    nq, nk, dev, first = q.shape[1], k.shape[1], q.device, plan.splits * slots.chunk
+    dev = q.device
     checked = split_kv.split_launch(ops._checked("fwd", family, q_slots, k_slots, v_slots, False, -1, -1))
-    tail_q = tail_k = tail_checked = None
-    if slots.rest:  # the causal tail beside the splits (slot_launch: keys left over only with a tail)
+    bounds = None
+    if slots.tail:
+        c, last = slots.chunk, plan.splits - 1
         if _capturing(dev):  # (a new cache length under torch.compile's CUDA graphs): device arithmetic
-            tail_q, tail_k = outside_graph_pools(lambda: (
-                (ramp(0, 3, dev) * nq - nq).clamp_(min=0), torch.cat([ramp(0, 2, dev) * first, ramp(0, 1, dev) + nk])),
-                dev)
+            bounds = outside_graph_pools(lambda: ramp(0, 2, dev) * (last - c) + c, dev)
         else:  # a cache that grows by a key per step (HF's DynamicCache) sets up every step: one copy
-            tail_q, tail_k = int32_lists(dev, [0, 0, nq], [0, first, nk])
-        tail_checked = ops._checked("fwd", family, q[0], k[0], v[0], True, -1, -1, tail_q, tail_k, nq, nk - first)
+            bounds, = int32_lists(dev, [c, last])
     combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), v.shape[-1],
                           split_kv.combine_chunk(slots.partials))
-    return _SETUPS.put(key, _Setup(None, None, slots.chunk, checked, tail_q, tail_k, nk - first, tail_checked,
-                                   combine))
+    return _SETUPS.put(key, _Setup(None, None, slots.chunk, checked, None, bounds, 0, None, combine))
 
 
 def _split_device(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
