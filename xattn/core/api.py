@@ -305,15 +305,15 @@ def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int
                                 ("cu_seqlens", cu_seqlens, spec.batched)):
         if (given is not None) != wanted:
             raise ValueError(f"{name}: {'required' if wanted else 'not taken'} by {spec.short_name()}")
+    keys = nk - nq if spec.tail and spec.batched else nk  # the splits' keys: every slot holds at least one
+    parts = splits + int(spec.tail and spec.batched)  # one sequence: the tail is the last slot
     if spec.batched:
-        keys, even, parts = nk - nq if spec.tail else nk, True, splits + spec.tail
-    elif spec.tail:  # the last slot holds the remainder and at least Nq keys
-        keys, parts = nk, splits
-        even = 1 <= splits <= nk and nk - (splits - 1) * (nk // splits) >= nq
+        rule, fits = "", True
+    elif spec.tail:
+        rule, fits = "leave the last slot Nq keys", splits < 1 or nk - (splits - 1) * (nk // splits) >= nq
     else:
-        keys, even, parts = nk, splits < 1 or nk % splits == 0, splits
-    if not 1 <= splits < MAX_PARTIALS or keys < splits or not even:
-        rule = (f"divide Nk {nk}" if not spec.tail else "leave the last slot Nq keys") if not spec.batched else ""
+        rule, fits = f"divide Nk {nk}", splits < 1 or nk % splits == 0
+    if not 1 <= splits < MAX_PARTIALS or keys < splits or not fits:
         raise ValueError(f"launch_slot_call: splits must be in 1-{MAX_PARTIALS - 1}, at most the splits' keys "
                          f"({'Nk - Nq' if spec.tail and spec.batched else 'Nk'}){' and ' + rule if rule else ''}; "
                          f"got splits {splits}, Nq {nq}, Nk {nk}")

@@ -67,7 +67,6 @@ class _SlotCall:
              mLSE: cute.Tensor, mWork: cute.Tensor, splits: Int32, softmax_scale: Float32, stream):
         nq, hq, d = mQ.shape[1], mQ.shape[2], mQ.shape[3]
         nk, hkv, dv = mK.shape[1], mK.shape[2], mV.shape[3]
-        parts = splits
         chunk = nk // splits
         keys = chunk  # keys of a slot's view
         if self.tail:  # (traced inline: plain Python) every slot views the last one's keys
@@ -82,17 +81,17 @@ class _SlotCall:
         # offsets into work keep its 16-byte alignment in the pointers' types (Dv a multiple of 8: the combine's), as
         # the launchers' own arguments claim
         out_ptr = cute.recast_ptr(mWork.iterator, dtype=self.dtype)
-        lse_ptr = mWork.iterator + cute.assume(parts * rows * (dv // 2), divby=4)
+        lse_ptr = mWork.iterator + cute.assume(splits * rows * (dv // 2), divby=4)
         out_p = cute.make_tensor(out_ptr, cute.make_layout((splits, nq, hq, dv), stride=(rows * dv, hq * dv, dv, 1)))
         lse_p = cute.make_tensor(lse_ptr, cute.make_layout((splits, hq, nq), stride=(rows, nq, 1)))
         if not self.tail:
             self.forward(q_slots, k_slots, v_slots, out_p, lse_p, softmax_scale, stream)
         else:  # the causal tail inside the split launch: its last slot, masked (_last_slot_causal)
             self.forward(q_slots, k_slots, v_slots, out_p, lse_p, mBounds, softmax_scale, stream)
-        # the combine's views: partials [P, 1, Nq, Hq, Dv] / [P, 1, Nq, Hq], lse [1, Nq, Hq] (Nq stride 1)
+        # the combine's views: partials [S, 1, Nq, Hq, Dv] / [S, 1, Nq, Hq], lse [1, Nq, Hq] (Nq stride 1)
         out_c = cute.make_tensor(out_ptr, cute.make_layout(
-            (parts, 1, nq, hq, dv), stride=(rows * dv, rows * dv, hq * dv, dv, 1)))
-        lse_c = cute.make_tensor(lse_ptr, cute.make_layout((parts, 1, nq, hq), stride=(rows, rows, 1, nq)))
+            (splits, 1, nq, hq, dv), stride=(rows * dv, rows * dv, hq * dv, dv, 1)))
+        lse_c = cute.make_tensor(lse_ptr, cute.make_layout((splits, 1, nq, hq), stride=(rows, rows, 1, nq)))
         lse_o = cute.make_tensor(mLSE.iterator, cute.make_layout(
             (1, nq, hq), stride=(mLSE.stride[0], 1, mLSE.stride[1])))
         self.merge(out_c, lse_c, mO, lse_o, Float32(0.0), stream)

@@ -136,6 +136,7 @@ class _Setup(NamedTuple):
     tail_max_k: int
     tail_checked: tuple | None
     combine: CombineSpec
+    bounds: Tensor | None = None  # the slot call's ``[chunk, S - 1]`` int32 with a causal tail in the last slot
 
 
 def _setup(plan: SplitPlan, family: str, q_split: Tensor, q: Tensor, kf: Tensor, vf: Tensor, rows: int, nk: int,
@@ -429,7 +430,7 @@ class SlotCall(NamedTuple):
             work = torch.empty(split_kv.slot_work_floats(s, nq, hq, v.shape[-1]), dtype=torch.float32,
                                device=q.device)  # the partials, laid out inside the call
             ops.LAUNCH["slot_call"](call, q, k, v, out, lse, work, splits=s, softmax_scale=scale,
-                                    slot_bounds=setup.tail_k if slots.tail else None)
+                                    slot_bounds=setup.bounds)
             return
         q_slots, k_slots, v_slots = _slot_views(s, slots.chunk, slots.keys, q, k, v)
         out_p = torch.empty((s, nq, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -491,8 +492,7 @@ def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slot
                 v_slots: Tensor, q: Tensor, k: Tensor, v: Tensor) -> _Setup:
     """:func:`_setup` of the slot launch (q ``[1, Nq, Hq, D]``, k/v ``[1, Nk, Hkv, D]``): its dense ``(spec,
     problem)`` (FA4's decode tile), with a causal tail the slot call's ``bounds [chunk, S - 1]`` (int32 on the
-    device, in the ``tail_k`` field), and the combine; keyed by the call's shapes (the slots' follow from them and the
-    plan)."""
+    device), and the combine; keyed by the call's shapes (the slots' follow from them and the plan)."""
     key = ("slots", plan, family, q.shape, k.shape, v.shape, q.dtype, q.device)
     hit = _SETUPS.get(key)
     if hit is not None:
@@ -508,7 +508,7 @@ def _slot_setup(plan: SplitPlan, slots: split_kv.SlotLaunch, family: str, q_slot
             bounds, = int32_lists(dev, [c, last])
     combine = CombineSpec(family, str(q.dtype).removeprefix("torch."), v.shape[-1],
                           split_kv.combine_chunk(slots.partials))
-    return _SETUPS.put(key, _Setup(None, None, slots.chunk, checked, None, bounds, 0, None, combine))
+    return _SETUPS.put(key, _Setup(None, None, slots.chunk, checked, None, None, 0, None, combine, bounds))
 
 
 def _split_device(plan: SplitPlan, family: str, q: Tensor, kf: Tensor, vf: Tensor, nk: int, rows: int, scale: float,
