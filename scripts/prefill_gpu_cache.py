@@ -156,8 +156,8 @@ def specs(recorded=None, fuzz=False):
     out += [SlotCallSpec(s.family, s.dtype, s.head_dim, s.head_dim_v, s.qhead_per_kvhead, c, tail, batched)
             for s in out if isinstance(s, KernelSpec) and s.varlen and not s.causal and not s.is_local  # torch's
             and s.page_size is None for c in COMBINE_CHUNKS  # slot calls, one sequence and batched
-            for tail in (False, True) if not tail or s.family in TAIL_SLOT_FAMILIES
-            for batched in (False, True) if not batched or s.family in BATCHED_SLOT_FAMILIES]
+            for batched in (False, True) if not batched or s.family in BATCHED_SLOT_FAMILIES
+            for tail in (False, True) if not tail or batched or s.family in TAIL_SLOT_FAMILIES]
     seen, unique = set(), []
     for s in out:
         if s not in seen and (not isinstance(s, KernelSpec) or supports(s) is None):

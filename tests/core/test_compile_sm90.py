@@ -92,7 +92,10 @@ SHIPPED += [pytest.param(s, id=s.short_name()) for s in (
     SlotCallSpec("ffpa", "bfloat16", 384, 384, 4, 8, tail=True),  # the tail masked into the last slot, every kernel
     SlotCallSpec("ffpa", "bfloat16", 320, 320, 2, 4, tail=True),
     SlotCallSpec("ffpa", "bfloat16", 512, 512, 8, 4, batched=True),  # B > 1: the varlen splits, the dense tail
-    SlotCallSpec("ffpa", "bfloat16", 384, 384, 4, 8, tail=True, batched=True))]
+    SlotCallSpec("ffpa", "bfloat16", 384, 384, 4, 8, tail=True, batched=True),
+    SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 4, batched=True),  # FA4's decode tile on q's own rows (shared_q)
+    SlotCallSpec("fa4", "float16", 128, 128, 4, 8, tail=True, batched=True),  # the same, FA4's dense causal tail
+    SlotCallSpec("fa4", "bfloat16", 256, 256, 2, 4, tail=True, batched=True))]  # no decode tile: the broadcast
 # The packed route's (xattn.core.gemm_segments_sm90).
 SHIPPED += [_gemm(k) for k in ("seg_probs", "seg_grad_scores", "seg_mm_dq", "seg_acc")] + [_gemm("seg_acc", "float16")]
 

@@ -133,7 +133,7 @@ def split_launchers() -> list:
     the family's varlen forward (non-causal splits, with the decode tile where the core has one, on q as it is where
     :func:`xattn.core.split_kv.shared_queries` holds, else on q once per slot; causal tail), the slot launch's
     dense non-causal forward (:func:`xattn.core.split_kv.slot_launch`, FA4's on its decode tile), the slot call
-    (that launch, FFPA's tail and the combine in one host function: eager 16-bit calls; FFPA's batched one for B > 1)
+    (that launch, FFPA's tail and the combine in one host function: eager 16-bit calls; the batched one for B > 1)
     and the combine
     (:mod:`xattn.core.split_kv`)."""
     import dataclasses
@@ -149,8 +149,9 @@ def split_launchers() -> list:
             if s.family in SLOT_FAMILIES:
                 out.append(split_launch_spec(dataclasses.replace(s, varlen=False, causal=False)))
                 out += [SlotCallSpec(s.family, s.dtype, s.head_dim, s.head_dim_v, s.qhead_per_kvhead, c, tail, batched)
-                        for c in COMBINE_CHUNKS for tail in (False, True) if not tail or s.family in TAIL_SLOT_FAMILIES
-                        for batched in (False, True) if not batched or s.family in BATCHED_SLOT_FAMILIES]
+                        for c in COMBINE_CHUNKS
+                        for batched in (False, True) if not batched or s.family in BATCHED_SLOT_FAMILIES
+                        for tail in (False, True) if not tail or batched or s.family in TAIL_SLOT_FAMILIES]
             out += [CombineSpec(s.family, s.dtype, s.head_dim_v, c) for c in COMBINE_CHUNKS]
     return list(dict.fromkeys(out))
 

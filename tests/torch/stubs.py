@@ -196,9 +196,10 @@ def _stub_slot_call(fwd, combine):
         CALLS[-1] = ("slot_call", spec.family)
 
     def _batched(spec, q, k, v, out, lse, work, splits, softmax_scale, cu_seqlens):
-        """The batched slot call (xattn.core.slot_call_sm90, "Batched"): q copied per slot, the varlen stand-in on
-        the flat key view by the call's own cu_seqlens, the dense causal stand-in on each sequence's last Nq keys into
-        slot S, the combine stand-in, every buffer at the offsets of ``work`` the launcher's docstring gives."""
+        """The batched slot call (xattn.core.slot_call_sm90, "Batched"): q copied per slot (shared_q: read from its
+        own rows), the varlen stand-in on the flat key view by the call's own cu_seqlens, the dense causal stand-in on
+        each sequence's last Nq keys into slot S, the combine stand-in, every buffer at the offsets of ``work`` the
+        launcher's docstring gives."""
         from xattn.core.split_kv import combine_chunk, slot_work_floats
 
         b, nq, hq, d = q.shape
@@ -211,14 +212,18 @@ def _stub_slot_call(fwd, combine):
         rows = k.stride(0) // k.stride(1) if b > 1 else nk
         flat = lambda t: t.as_strided((rows * (b - 1) + nk, *t.shape[2:]), t.stride()[1:],  # noqa: E731
                                       t.storage_offset())
-        # the broadcast's slots (the tail's slot left as it was: its split document has no key)
-        q_split = work[:n * hq * d // 2].view(q.dtype).view(b, parts, nq, hq, d)
-        q_split[:, :splits] = q.unsqueeze(1)
+        if spec.shared_q:  # FA4's decode tile reads q's own rows, its sequences Nq rows apart (nothing in work)
+            assert q.stride(0) == nq * q.stride(1), q.stride()
+            q_split = q.as_strided((b * nq, hq, d), q.stride()[1:], q.storage_offset())
+        else:  # the broadcast's slots (the tail's slot left as it was: its split document has no key)
+            slots = work[:n * hq * d // 2].view(q.dtype).view(b, parts, nq, hq, d)
+            slots[:, :splits] = q.unsqueeze(1)
+            q_split = slots.view(n, hq, d)
         at = n * hq * d // 2
         out_p = work[at:at + n * hq * dv // 2].view(q.dtype).view(n, hq, dv)
         lse_p = work[at + n * hq * dv // 2:at + n * hq * dv // 2 + hq * n].view(hq, n)
         lse_p.fill_(float("-inf"))  # (the stand-in's pre-fill check: the kernel leaves keyless rows as they are)
-        fwd((spec.launch_spec(), None), q_split.view(n, hq, d), flat(k), flat(v), out_p, lse_p,
+        fwd((spec.launch_spec(), None), q_split, flat(k), flat(v), out_p, lse_p,
             softmax_scale=softmax_scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=nq, max_seqlen_k=nk)
         out_s, lse_s = out_p.view(b, parts, nq, hq, dv), lse_p.view(hq, b, parts, nq)
         if spec.tail:

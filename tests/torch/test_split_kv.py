@@ -153,40 +153,44 @@ def test_one_sequence_is_one_slot_call(layout, family, d, nq, nk, causal, splits
     (3, 1, 1536, True, 3), (2, 1, 517, False, 4), (4, 4, 900, True, 3), (2, 16, 1000, True, 7),
     (3, 3, 640, False, 5), (2, 5, 6, True, 2), (2, 5, 3, True, 2), (5, 2, 300, True, 2),
 ])
-def test_a_batch_is_one_batched_slot_call(layout, b, nq, nk, causal, splits, dtype):
-    """B > 1 sequences of full caches, 16-bit, FFPA (xattn.core.split_kv.batched_slot_call): one core call (q copied
-    per slot, the varlen split launch, the causal tail as the dense causal forward on each sequence's last Nq keys,
-    the combine; xattn.core.slot_call_sm90 "Batched") for any split count (S need not divide the keys), both cache
-    layouts, q handed over transposed (HF) too; the compile key names the launches inside. Values against fp64."""
-    from xattn.core.split_kv import SlotCallSpec, combine_chunk
+@pytest.mark.parametrize("family, d", [("ffpa", 16), ("fa4", 16), ("fa4", 128)])
+def test_a_batch_is_one_batched_slot_call(family, d, layout, b, nq, nk, causal, splits, dtype):
+    """B > 1 sequences of full caches, 16-bit, both families (xattn.core.split_kv.batched_slot_call): one core call
+    (q copied per slot, or FA4's decode tile reading q's own rows (d128, GQA: shared_q), the varlen split launch, the
+    causal tail as the dense causal forward on each sequence's last Nq keys, the combine; xattn.core.slot_call_sm90
+    "Batched") for any split count (S need not divide the keys), both cache layouts, q handed over transposed (HF)
+    too; the compile key names the launches inside. Values against fp64."""
+    from xattn.core.split_kv import SlotCallSpec, combine_chunk, split_launch_spec
     from xattn.core.spec import KernelSpec
 
     seen = _record_slot_calls()
     plan = split_kv.plan_splits(splits, causal and nq > 1, nq, nk)
-    assert split_kv.batched_slot_call(plan, "ffpa", b) == plan.filled
+    assert split_kv.batched_slot_call(plan, family, b) == plan.filled
     for seed in (1, 2):
-        q, k, v = (t.to(dtype) for t in _decode_inputs(b, nq, 8, 2, nk, 16, layout, seed=seed))
+        q, k, v = (t.to(dtype) for t in _decode_inputs(b, nq, 8, 2, nk, d, layout, seed=seed))
         if layout == "hf":  # HF's q [B, Hq, Nq, D] too
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
         CALLS.clear()
-        out, lse = xt.attention_with_lse(q, k, v, causal=causal, family="ffpa", num_splits=splits)
-        assert CALLS == ([("slot_call", "ffpa")] if plan.filled else CALLS) and CALLS, CALLS
-        ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), scale=16 ** -0.5, causal=causal)
+        out, lse = xt.attention_with_lse(q, k, v, causal=causal, family=family, num_splits=splits)
+        assert CALLS == ([("slot_call", family)] if plan.filled else CALLS) and CALLS, CALLS
+        ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), scale=d ** -0.5, causal=causal)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)  # partials rounded to dtype
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
     if not plan.filled:  # (a tail longer than the cache: the launches one by one, pre-filled)
         assert not seen
         return
     name = str(dtype).removeprefix("torch.")
-    want = SlotCallSpec("ffpa", name, 16, 16, 4, combine_chunk(plan.partials), tail=plan.tail, batched=True)
+    want = SlotCallSpec(family, name, d, d, 4, combine_chunk(plan.partials), tail=plan.tail, batched=True)
     assert seen == [(want, plan.splits)] * 2
-    assert want.launch_spec() == KernelSpec("ffpa", "fwd", name, 16, 16, 4, False, True)
-    assert want.tail_spec() == (KernelSpec("ffpa", "fwd", name, 16, 16, 4, True, False) if plan.tail else None)
+    assert want.shared_q == (family == "fa4" and d == 128)
+    split = split_launch_spec(KernelSpec(family, "fwd", name, d, d, 4, False, True), shared_q=True)
+    assert want.launch_spec() == split and getattr(split, "shared_q", False) == want.shared_q
+    assert want.tail_spec() == (KernelSpec(family, "fwd", name, d, d, 4, True, False) if plan.tail else None)
 
 
-def test_a_batch_of_fa4_or_wide_dtypes_keeps_the_launches_one_by_one():
-    """The batched slot call is FFPA's in 16-bit (BATCHED_SLOT_FAMILIES): FA4 batches and fp32 run the launches."""
-    for family, dtype in (("fa4", torch.bfloat16), ("ffpa", torch.float32)):
+def test_a_batch_of_wide_dtypes_keeps_the_launches_one_by_one():
+    """The batched slot call is the kernels' 16-bit dtypes' (the launchers take no other): fp32 runs the launches."""
+    for family, dtype in (("fa4", torch.float32), ("ffpa", torch.float32)):
         q, k, v = (t.to(dtype) for t in _decode_inputs(2, 1, 8, 2, 1024, 16, "contiguous", seed=4))
         CALLS.clear()
         out = xt.attention(q, k, v, causal=True, family=family, num_splits=4)
@@ -219,8 +223,14 @@ def test_the_batched_slot_call_refuses_index_arrays_key_rows_or_work_that_do_not
         launch_slot_call(spec, q, bad, bad, out, lse, torch.empty(floats), cu_seqlens=(cu, cu), **kw)
     with pytest.raises(ValueError, match=f"at least {floats} floats"):
         launch_slot_call(spec, q, k, k, out, lse, torch.empty(floats - 1), cu_seqlens=(cu, cu), **kw)
-    with pytest.raises(ValueError, match="batched slot call is"):
-        SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 4, batched=True)
+    shared = SlotCallSpec("fa4", "bfloat16", 128, 128, 4, 4, tail=True, batched=True)  # FA4's decode tile
+    assert shared.shared_q and not SlotCallSpec("fa4", "bfloat16", 256, 256, 4, 4, batched=True).shared_q
+    q, out = torch.empty(b, nq, 8, 128), torch.empty(b, nq, 8, 128)
+    k = torch.empty(b, nk, 2, 128)
+    floats = split_kv.slot_work_floats(s + 1, nq, 8, 128, b, 128)
+    with pytest.raises(ValueError, match="rows apart"):  # HF's transposed q: its sequences not Nq rows apart
+        launch_slot_call(shared, q.transpose(1, 2).contiguous().transpose(1, 2), k, k, out, lse,
+                         torch.empty(floats), cu_seqlens=(cu, cu), **kw)
 
 
 def test_under_capture_a_causal_tail_is_the_same_one_slot_call():

@@ -72,9 +72,11 @@ def test_auto_route_at_the_issue_shape_splits_and_matches():
 
 
 @pytest.mark.parametrize("b, nq, d, hkv, nk", [(2, 1, 512, 4, 8192), (2, 4, 512, 4, 8192), (1, 1, 128, 8, 8200),
-                                              (1, 1, 128, 8, 8192), (1, 1, 512, 4, 8192), (1, 4, 512, 4, 8192)],
+                                              (1, 1, 128, 8, 8192), (1, 1, 512, 4, 8192), (1, 4, 512, 4, 8192),
+                                              (4, 1, 128, 8, 8192), (3, 4, 128, 8, 6000), (2, 2, 256, 16, 5000)],
                          ids=["q1", "q4-causal-tail-on-a-side-stream", "d128-B1-keys-left-over-varlen",
-                              "d128-B1-slot-call", "d512-B1-slot-call", "d512-B1-q4-slots-and-tail"])
+                              "d128-B1-slot-call", "d512-B1-slot-call", "d512-B1-q4-slots-and-tail",
+                              "d128-B4-batched-shared-q", "d128-B3-q4-batched-tail", "d256-B2-q2-batched-tail"])
 def test_split_kv_under_a_cuda_graph(b, nq, d, hkv, nk):
     """Captured once (after a warm-up that builds the cu_seqlens), replayed on new values in the same buffers;
     with Nq > 1 the causal tail is a branch of the graph (its second stream)."""
@@ -196,26 +198,31 @@ def test_the_last_slot_masks_ffpas_causal_tail(d, nq, hq, hkv, nk, splits, monke
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "hf"])
-@pytest.mark.parametrize("b, nq, hkv, nk, causal, dtype", [
-    (8, 1, 4, 8192, True, torch.bfloat16), (2, 1, 4, 9000, True, torch.float16),
-    (3, 4, 4, 9001, True, torch.bfloat16), (2, 16, 1, 3000, True, torch.float16),
-    (4, 3, 4, 6144, False, torch.bfloat16), (8, 4, 4, 8192, True, torch.bfloat16),
+@pytest.mark.parametrize("d, b, nq, hkv, nk, causal, dtype", [
+    (512, 8, 1, 4, 8192, True, torch.bfloat16), (512, 2, 1, 4, 9000, True, torch.float16),
+    (512, 3, 4, 4, 9001, True, torch.bfloat16), (512, 2, 16, 1, 3000, True, torch.float16),
+    (512, 4, 3, 4, 6144, False, torch.bfloat16), (512, 8, 4, 4, 8192, True, torch.bfloat16),
+    # FA4: d128 on its decode tile reading q's own rows (shared_q, GQA), d256 and g1 through the broadcast
+    (128, 8, 1, 8, 8192, True, torch.bfloat16), (128, 3, 4, 8, 9001, True, torch.float16),
+    (128, 2, 16, 32, 3000, True, torch.bfloat16), (128, 4, 3, 4, 6144, False, torch.bfloat16),
+    (256, 8, 1, 16, 8192, True, torch.bfloat16), (256, 3, 4, 16, 5001, True, torch.bfloat16),
 ])
-def test_batched_slot_call_is_one_call_and_matches_the_launches(layout, b, nq, hkv, nk, causal, dtype, monkeypatch):
-    """B > 1 full caches at d512 run eagerly as the batched slot call (xattn.core.slot_call_sm90 "Batched": q copied
-    per slot, the varlen split launch, FFPA's dense causal tail into slot S, the combine), on a caller's busy stream
-    right after the keys were written there; q handed over transposed (HF) too. Without a tail the kernels are the
-    launches one by one's (same bits); the tail runs the dense causal kernel where they run the varlen one (equal
-    within bf16 rounding). Judged against fp64 too."""
+def test_batched_slot_call_is_one_call_and_matches_the_launches(layout, d, b, nq, hkv, nk, causal, dtype,
+                                                                monkeypatch):
+    """B > 1 full caches run eagerly as the batched slot call (xattn.core.slot_call_sm90 "Batched": q copied per slot
+    or read as it is (FA4 d128, GQA), the varlen split launch, the family's dense causal tail into slot S, the
+    combine), on a caller's busy stream right after the keys were written there; q handed over transposed (HF) too.
+    Without a tail the kernels are the launches one by one's (same bits); the tail runs the dense causal kernel where
+    they run the varlen one (equal within bf16 rounding). Judged against fp64 too."""
     from xattn.torch import ops
     from xattn.torch import split_kv as torch_split_kv
 
     calls, real = [], ops.LAUNCH["slot_call"]
     monkeypatch.setitem(ops.LAUNCH, "slot_call", lambda *a, **kw: (calls.append(a[0]), real(*a, **kw))[1])
-    q, k, v = _decode(b, nq, 32, hkv, nk, 512, layout, seed=nk + b + nq, dtype=dtype)
+    q, k, v = _decode(b, nq, 32, hkv, nk, d, layout, seed=nk + b + nq, dtype=dtype)
     if layout == "hf":
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    fresh = _decode(b, nq, 32, hkv, nk, 512, layout, seed=nk + b + nq + 1, dtype=dtype)
+    fresh = _decode(b, nq, 32, hkv, nk, d, layout, seed=nk + b + nq + 1, dtype=dtype)
     got = _split_on_a_busy_stream(q, k, v, fresh, causal)
     assert len(calls) == 1 and calls[0].batched, "the batched slot call did not run"
     monkeypatch.setattr(ops, "_SLOT_CALLS", type(ops._SLOT_CALLS)(256))
@@ -226,7 +233,7 @@ def test_batched_slot_call_is_one_call_and_matches_the_launches(layout, b, nq, h
     if not calls[0].tail:
         assert torch.equal(got[0], out2) and torch.equal(got[1], lse2)
     assert rel_err(got[0], out2) < 1e-2 and (got[1] - lse2).abs().max() < 1e-3
-    ref_out, ref_lse = ref_attention(q, k, v, scale=512 ** -0.5, causal=causal)
+    ref_out, ref_lse = ref_attention(q, k, v, scale=d ** -0.5, causal=causal)
     assert rel_err(got[0], ref_out) < 1e-2 and (got[1].double() - ref_lse).abs().max() < 1e-3
 
 

@@ -298,8 +298,10 @@ def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int
     are a whole number R >= Nk of rows apart, out and lse ``[B, ...]``) on the varlen split launch, ``cu_seqlens =
     (cu_q, cu_k)`` int32 ``[B (P + 1) + 1]`` on the device (:func:`~xattn.core.split_kv.split_cu_seqlens` of a
     filled plan of S splits; values trusted), the tail (if any) on each sequence's last Nq keys (Nk > Nq) into slot
-    S (P = S + 1); ``work`` :func:`slot_work_floats` with ``batch`` and ``head_dim``. Shapes, dtypes and strides are
-    checked in C by the launcher, S, the tail, the index arrays' lengths, the key rows and the work's size here."""
+    S (P = S + 1); ``work`` :func:`slot_work_floats` with ``batch`` and ``head_dim``; with ``spec.shared_q`` (FA4's
+    decode tile) q's sequences Nq rows apart (``stride(0) == Nq stride(1)``: its rows read as ``[B Nq, Hq, D]``).
+    Shapes, dtypes and strides are checked in C by the launcher, S, the tail, the index arrays' lengths, the key rows,
+    q's rows and the work's size here."""
     b, nk, nq, hq, dv = q.shape[0], k.shape[1], q.shape[1], q.shape[2], v.shape[-1]
     for name, given, wanted in (("slot_bounds", slot_bounds, spec.tail and not spec.batched),
                                 ("cu_seqlens", cu_seqlens, spec.batched)):
@@ -319,6 +321,10 @@ def launch_slot_call(spec: SlotCallSpec, q, k, v, out, lse, work, *, splits: int
                          f"got splits {splits}, Nq {nq}, Nk {nk}")
     if spec.batched:
         _check_batched(b, parts, cu_seqlens, k, v)
+        qs = _strides(q)
+        if spec.shared_q and b > 1 and qs[0] != nq * qs[1]:
+            raise ValueError(f"launch_slot_call: {spec.short_name()} reads q as [B Nq, Hq, D] rows: its sequences must "
+                             f"be Nq {nq} rows apart (stride(0) == Nq stride(1)); got strides {qs}")
         floats = slot_work_floats(parts, nq, hq, dv, b, q.shape[-1])
     else:
         floats = slot_work_floats(parts, nq, hq, dv)

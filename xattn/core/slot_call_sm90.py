@@ -23,20 +23,25 @@ last slot its n causally (bottom-right), so the causal tail costs no launch of i
 and lse; the caller's plan (:func:`~xattn.core.split_kv.slot_launch`) leaves every query a key in every slot (n >=
 Nq): no partial needs a pre-fill.
 
-**Batched** (``spec.batched``: B > 1 sequences of Nk keys each, FFPA): the splits cannot be a dense launch there (its
-batch would be the nested mode (S, B), which the kernels' layouts do not take), so they run as the varlen launch of
-:mod:`xattn.core.split_kv` step 1, its documents from ``cu_q`` / ``cu_k`` (:func:`~xattn.core.split_kv.split_cu_seqlens`
-of the plan: P documents of Nq queries per sequence, the tail's without keys, then one without queries)::
+**Batched** (``spec.batched``: B > 1 sequences of Nk keys each, both families): the splits cannot be a dense launch
+there (its batch would be the nested mode (S, B), which the kernels' layouts do not take), so they run as the varlen
+launch of :mod:`xattn.core.split_kv` step 1, its documents from ``cu_q`` / ``cu_k``
+(:func:`~xattn.core.split_kv.split_cu_seqlens` of the plan: P documents of Nq queries per sequence, the tail's without
+keys, then one without queries)::
 
   q, k, v, cu_q, cu_k, out, lse, work, splits (S, Int32), scale       [B (P + 1) + 1] int32 each
 
-  q [B, Nq, Hq, D] (any strides with a unit last one), k/v [B, Nk, Hkv, D] (sequences R >= Nk whole rows apart),
+  q [B, Nq, Hq, D] (any strides with a unit last one; shared_q below),
+  k/v [B, Nk, Hkv, D] (sequences R >= Nk whole rows apart),
   out [B, Nq, Hq, Dv], lse [B, Hq, Nq] f32 (Nq stride 1), work [W] f32, W = B P Nq Hq (D / 2 + Dv / 2 + 1)
 
 ``work`` holds ``q_split [B P Nq, Hq, D]`` (q copied once per split slot by a broadcast kernel here), ``out_partial
 [B P Nq, Hq, Dv]`` and ``lse_partial [Hq, B P Nq]``. In stream order: the broadcast, the split launch on the flat key
-view ``[R (B - 1) + Nk, Hkv, D]``, with a tail FFPA's dense causal forward of q on each sequence's last Nq keys into
-slot S (rows of the partials, no copy), then the combine.
+view ``[R (B - 1) + Nk, Hkv, D]``, with a tail the family's dense causal forward of q on each sequence's last Nq keys
+into slot S (rows of the partials, no copy), then the combine. Where ``spec.shared_q`` (FA4 on its decode tile, GQA:
+:func:`~xattn.core.split_kv.shared_queries`) no broadcast runs: the split launch reads q as ``[B Nq, Hq, D]`` rows
+(:mod:`xattn.core.split_q_sm90`; q's sequences Nq rows apart, ``stride(0) == Nq stride(1)``) and ``work``'s
+``q_split`` stays unused.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from quack.compile_utils import make_fake_tensor  # noqa: E402
 
 from ffpa_attn.cute import utils as ffpa_utils  # noqa: E402
 
-from . import combine_sm90, fa4_sm90, ffpa_sm90  # noqa: E402
+from . import combine_sm90, fa4_sm90, ffpa_sm90, split_q_sm90  # noqa: E402
 from .split_kv import SlotCallSpec  # noqa: E402
 from .symbolic import CUTE_DTYPES, Dims, compile_launcher  # noqa: E402
 
@@ -158,6 +163,7 @@ class _Broadcast:
 
 class _BatchedCall:
     def __init__(self, broadcast, forward, tail, merge, dtype):
+        """``broadcast`` None: the split launch reads q's own rows (``SlotCallSpec.shared_q``)."""
         self.broadcast, self.forward, self.tail, self.merge, self.dtype = broadcast, forward, tail, merge, dtype
 
     @cute.jit
@@ -181,8 +187,13 @@ class _BatchedCall:
         lse_ptr = at(n * hq * (d // 2 + dv // 2))
         q_slots = cute.make_tensor(q_ptr, cute.make_layout(
             (nb, parts, nq, hq, d), stride=(wide(parts * rows * d), wide(rows * d), wide(hq * d), wide(hq * 0 + d), 1)))
-        self.broadcast(mQ, q_slots, splits, stream)
-        q_split = cute.make_tensor(q_ptr, cute.make_layout((n, hq, d), stride=(wide(hq * d), wide(hq * 0 + d), 1)))
+        if self.broadcast is not None:  # (traced inline: plain Python) q once per slot
+            self.broadcast(mQ, q_slots, splits, stream)
+            q_split = cute.make_tensor(q_ptr, cute.make_layout((n, hq, d), stride=(wide(hq * d), wide(hq * 0 + d),
+                                                                                 1)))
+        else:  # q's own B Nq rows (its sequences Nq rows apart: the caller's contract); the launch finds each one's
+            q_split = cute.make_tensor(mQ.iterator, cute.make_layout((nb * nq, hq, d), stride=(
+                mQ.stride[1], mQ.stride[2], 1)))
         key_rows = (mK.stride[0] // mK.stride[1]) * (nb - 1) + nk  # the flat key view, R rows per sequence
         k_rows = cute.make_tensor(mK.iterator, cute.make_layout((key_rows, hkv, d), stride=(mK.stride[1],
                                                                                             mK.stride[2], 1)))
@@ -210,9 +221,12 @@ class _BatchedCall:
 
 
 def _forward(spec):
-    """The family's forward launcher object of ``spec`` (dense or varlen; traced inline here, not compiled alone)."""
+    """The family's forward launcher object of ``spec`` (dense or varlen, FA4's shared-q split launch; traced inline
+    here, not compiled alone)."""
     if spec.family == "ffpa":
         return (ffpa_sm90._VarlenFwd if spec.varlen else ffpa_sm90._DenseFwd)(ffpa_sm90._fwd_kernel(spec))
+    if getattr(spec, "shared_q", False):
+        return split_q_sm90.shared_q_forward(spec)
     return (fa4_sm90._VarlenFwd if spec.varlen else fa4_sm90._DenseFwd)(fa4_sm90._fwd_kernel(spec), spec)
 
 
@@ -253,6 +267,6 @@ def _compile_batched(spec: SlotCallSpec, launch, dims: Dims, dtype):
                make_fake_tensor(Float32, (cute.sym_int(),), divisibility=4))
     merge = combine_sm90._Merge(dtype, spec.head_dim_v, combine_sm90.PDL, spec.chunk)
     tail = spec.tail_spec()
-    call = _BatchedCall(_Broadcast(dtype, spec.head_dim), _forward(launch), None if tail is None else _forward(tail),
-                        merge, dtype)
+    call = _BatchedCall(None if spec.shared_q else _Broadcast(dtype, spec.head_dim), _forward(launch),
+                        None if tail is None else _forward(tail), merge, dtype)
     return compile_launcher(call, tensors, scalars=(Int32(1), Float32(1.0)))

@@ -140,7 +140,7 @@ def splits_only(plan: SplitPlan) -> SplitPlan:
 
 SLOT_FAMILIES = ("ffpa", "fa4")  # whose dense forward runs the slot launch (FA4's on its decode tile)
 TAIL_SLOT_FAMILIES = ("ffpa",)  # whose slot launch masks a causal tail into its last slot (FA4's: not built)
-BATCHED_SLOT_FAMILIES = ("ffpa",)  # whose B > 1 dense decode steps run as the batched slot call (FA4's: its own path)
+BATCHED_SLOT_FAMILIES = ("ffpa", "fa4")  # whose B > 1 dense decode steps run as the batched slot call
 
 
 @dataclass(frozen=True)
@@ -406,7 +406,7 @@ class SlotCallSpec(FieldsHashed):
     def __post_init__(self):
         if self.chunk not in COMBINE_CHUNKS:
             raise ValueError(f"SlotCallSpec: chunk one of {COMBINE_CHUNKS}, got {self.chunk}")
-        if self.tail and self.family not in TAIL_SLOT_FAMILIES:
+        if self.tail and not self.batched and self.family not in TAIL_SLOT_FAMILIES:  # (batched: its own launch)
             raise ValueError(f"SlotCallSpec: a causal tail in the last slot is {TAIL_SLOT_FAMILIES}'s, not "
                              f"{self.family!r}'s")
         if self.batched and self.family not in BATCHED_SLOT_FAMILIES:
@@ -419,8 +419,14 @@ class SlotCallSpec(FieldsHashed):
 
     def launch_spec(self) -> KernelSpec:
         """The split launch inside: the non-causal forward of these dims (:func:`split_launch_spec`), dense (varlen
-        when ``batched``)."""
-        return split_launch_spec(self._forward(False, self.batched))
+        when ``batched``, reading q's own rows where :func:`shared_queries` holds)."""
+        return split_launch_spec(self._forward(False, self.batched), shared_q=self.batched)
+
+    @property
+    def shared_q(self) -> bool:
+        """The batched call's split launch reads q ``[B, Nq, Hq, D]`` as ``[B Nq, Hq, D]`` rows (no copy per slot:
+        :func:`shared_queries`), so q's sequences must be Nq rows apart (``stride(0) == Nq stride(1)``)."""
+        return self.batched and shared_queries(self.family, self.head_dim, self.head_dim_v, self.qhead_per_kvhead)
 
     def tail_spec(self) -> KernelSpec | None:
         """The batched call's causal tail launch (the family's dense causal forward), ``None`` without one (one

@@ -33,7 +33,7 @@ from . import fa4_sm90  # noqa: E402
 from .split_kv import SplitFwdSpec  # noqa: E402
 from .symbolic import Dims, compile_launcher  # noqa: E402
 
-__all__ = ["compile_shared_q"]
+__all__ = ["compile_shared_q", "shared_q_forward"]
 
 _SEQLEN_ARG = list(inspect.signature(FlashAttentionForwardSm90.load).parameters).index("SeqlenInfoCls") - 1
 
@@ -79,13 +79,20 @@ class _SharedVarlenFwd:
                     None, None, None, AuxData(), None, None, stream)
 
 
-def compile_shared_q(spec: SplitFwdSpec):
-    """Compile the shared-q split launcher of ``spec`` (module docstring); returns the TVM-FFI function."""
+def shared_q_forward(spec: SplitFwdSpec) -> _SharedVarlenFwd:
+    """The shared-q split launcher object of ``spec`` (module docstring's signature), uncompiled: compiled alone by
+    :func:`compile_shared_q`, traced inline by :mod:`xattn.core.slot_call_sm90`'s batched call."""
     if not (isinstance(spec, SplitFwdSpec) and spec.shared_q and spec.family == "fa4"):
-        raise ValueError(f"compile_shared_q: expected FA4's SplitFwdSpec with shared_q, got {spec.short_name()}")
+        raise ValueError(f"shared_q_forward: expected FA4's SplitFwdSpec with shared_q, got {spec.short_name()}")
     kernel = fa4_sm90._fwd_kernel(spec)  # FlashAttention's own config of the decode tile
     kernel.__class__ = SharedQueryForwardSm90  # FlashAttention's object, its q load changed
+    return _SharedVarlenFwd(kernel)
+
+
+def compile_shared_q(spec: SplitFwdSpec):
+    """Compile the shared-q split launcher of ``spec`` (module docstring); returns the TVM-FFI function."""
+    forward = shared_q_forward(spec)
     dims = Dims(spec)
     _, k, v = dims.qkv()
     q = make_fake_tensor(dims.dtype, (cute.sym_int(), dims.hq, spec.head_dim), divisibility=dims.div)
-    return compile_launcher(_SharedVarlenFwd(kernel), (q, k, v, *dims.cu_seqlens(), *dims.out_lse()))
+    return compile_launcher(forward, (q, k, v, *dims.cu_seqlens(), *dims.out_lse()))

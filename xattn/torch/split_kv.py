@@ -420,6 +420,8 @@ class SlotCall(NamedTuple):
         plan, slots, setup, call = self
         nq, hq = q.shape[1], q.shape[2]
         if slots is None:  # the batched slot call (B > 1): one buffer, one call, in any stream state
+            if call.shared_q:  # FA4's decode tile reads q's rows as they are
+                q = _sequences_nq_rows_apart(q)
             work = torch.empty(split_kv.slot_work_floats(plan.partials, nq, hq, v.shape[-1], q.shape[0], q.shape[-1]),
                                dtype=torch.float32, device=q.device)
             ops.LAUNCH["slot_call"](call, q, k, v, out, lse, work, splits=plan.splits, softmax_scale=scale,
@@ -477,6 +479,18 @@ def _batched_call(plan: SplitPlan, family: str, q: Tensor, k: Tensor, v: Tensor)
     call = SlotCallSpec(spec.family, spec.dtype, spec.head_dim, spec.head_dim_v, spec.qhead_per_kvhead,
                         setup.combine.chunk, tail=plan.tail, batched=True)
     return SlotCall(plan, None, setup, call)
+
+
+def _sequences_nq_rows_apart(q: Tensor) -> Tensor:
+    """q ``[B, Nq, Hq, D]`` whose sequences are Nq rows apart (``stride(0) == Nq stride(1)``, the shared-q batched
+    call's reading of ``[B Nq, Hq, D]`` rows): q itself, a view for Nq = 1 (its row stride set to the sequences'),
+    else a contiguous copy (HF's transposed q of several queries)."""
+    s = q.stride()
+    if s[0] == q.shape[1] * s[1]:
+        return q
+    if q.shape[1] == 1:
+        return q.as_strided(q.shape, (s[0], s[0], *s[2:]), q.storage_offset())
+    return q.contiguous()
 
 
 def _slot_views(s: int, chunk: int, keys: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
